@@ -1,0 +1,1121 @@
+#!/usr/bin/env python3
+"""test_loop.py: how to test an agent loop without a model, and the proof that agent.py works.
+
+A language model is the one part of an agent that cannot be run in a test, so a canned server
+plays its part (section 1): a real HTTP server on 127.0.0.1, speaking the OpenAI chat API, that
+answers each POST to /v1/chat/completions with the next step of a script and records every
+request. A test scripts the model's replies, runs the real loop, executor and tools against it,
+then asserts on two things: what the agent did (its answer, its exit code, what it printed) and
+exactly what it sent (the requests the server received).
+
+Run it: python3 test_loop.py      (or: python3 -m pytest test_loop.py)
+The tests follow the sections of agent.py: configuration, tools and sandbox, the executor,
+talking to the model, the loop, the terminal, and a seeded fuzz test over all of it.
+"""
+import collections
+import contextlib
+import io
+import itertools
+import json
+import os
+import pty
+import random
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import unittest.mock
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import agent
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+AGENT = os.path.join(HERE, "agent.py")
+agent.RETRY_BASE = 0.01   # retries wait 10, 20, 40 ms here instead of half a second and up
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The canned server
+# ----------------------------------------------------------------------------------------------
+# Each POST takes the next step of the script. A step is one of:
+#   reply(...) / calls(...)          a normal completion: {"message": {...}, "finish_reason"}
+#   {"status": 503, "body": ...}     an HTTP status with a body (a dict, a list, str or bytes)
+#   {"raw": b"..."}                  HTTP 200 with exactly these bytes as the body
+#   {"drop": True}                   close the connection without answering
+#   {"delay": 0.5, ...}              wait first, then do the rest of the step
+#   a function of the request body   returns one of the above
+# When the script runs out, the server answers 500, so a test that asks too often fails loudly.
+
+class CannedServer(ThreadingHTTPServer):
+    """An OpenAI-compatible server that answers from a script and records every request."""
+    daemon_threads = True
+
+    def __init__(self, script, models=("canned-model",)):
+        super().__init__(("127.0.0.1", 0), CannedHandler)
+        self.script = collections.deque(script)
+        self.models = list(models)
+        self.requests = []    # {"method", "path", "headers", "body"}, in the order received
+
+    @property
+    def url(self):
+        return "http://127.0.0.1:%d/v1" % self.server_address[1]
+
+    def bodies(self):
+        """The JSON bodies of the chat requests received, in order."""
+        return [r["body"] for r in self.requests if r["path"].endswith("/chat/completions")]
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, args=(0.01,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+class CannedHandler(BaseHTTPRequestHandler):
+    """Plays one step of the script for each request."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def send(self, status, body, headers=()):
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body)
+        if isinstance(body, str):
+            body = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in dict(headers).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.server.requests.append({"method": "GET", "path": self.path,
+                                     "headers": dict(self.headers), "body": None})
+        if self.path.endswith("/models") and self.server.models:
+            self.send(200, {"object": "list", "data": [{"id": m} for m in self.server.models]})
+        else:
+            self.send(404, {"error": {"message": "no models here"}})
+
+    def do_POST(self):
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.loads(raw)
+        self.server.requests.append({"method": "POST", "path": self.path,
+                                     "headers": dict(self.headers), "body": body})
+        step = self.server.script.popleft() if self.server.script else \
+            {"status": 500, "body": {"error": {"message": "canned server: script exhausted"}}}
+        if callable(step):
+            step = step(body)
+        time.sleep(step.get("delay", 0))
+        if step.get("drop"):
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+        elif "status" in step:
+            self.send(step["status"], step.get("body", b""), step.get("headers", ()))
+        elif "raw" in step:
+            self.send(200, step["raw"])
+        else:
+            choice = {"index": 0, "message": step["message"],
+                      "finish_reason": step.get("finish_reason")}
+            self.send(200, dict({"id": "chatcmpl-1", "object": "chat.completion",
+                                 "model": body.get("model"), "choices": [choice]},
+                                **step.get("extra", {})))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Helpers
+# ----------------------------------------------------------------------------------------------
+
+def reply(content="", finish_reason="stop", **message):
+    """A step: the model answers in text."""
+    return {"message": dict({"role": "assistant", "content": content}, **message),
+            "finish_reason": finish_reason}
+
+
+def tool_call(name, arguments=None, id=None, **args):
+    """One tool call as a server sends it; arguments=... gives them raw, in any shape."""
+    call = {"type": "function", "function": {
+        "name": name, "arguments": json.dumps(args) if arguments is None else arguments}}
+    if id is not None:
+        call["id"] = id
+    return call
+
+
+def calls(*tool_calls, content=None, finish_reason="tool_calls", **message):
+    """A step: the model calls tools (ids made up unless given)."""
+    for call in tool_calls:
+        call.setdefault("id", "call_%d" % next(CALL_NUMBERS))
+    return reply(content, finish_reason, tool_calls=list(tool_calls), **message)
+
+
+CALL_NUMBERS = itertools.count(1)
+
+
+def config(url, *flags, **environ):
+    """A Config for the canned server at url, sandboxed to the test workspace."""
+    return agent.load_config(["--url", url, "--model", "canned-model", "--root", WORK,
+                              *flags], environ=environ)
+
+
+Run = collections.namedtuple("Run", "answer bodies session stderr")
+
+
+def run_agent(script, question="what does hello.py do?", *flags, **environ):
+    """One turn of the real loop against the canned server; a Fatal comes back as the answer."""
+    with CannedServer(script) as server:
+        session = agent.new_session(config(server.url, *flags, **environ))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                answer = agent.run_turn(session, question)
+            except agent.Fatal as e:
+                answer = e
+        return Run(answer, server.bodies(), session, err.getvalue())
+
+
+def cli(args, stdin=b"", env=None, url="http://127.0.0.1:9/v1", timeout=30):
+    """Run agent.py as a user would; returns (exit code, stdout, stderr)."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("LLM_", "OPENAI_", "AGENT_", "MAX_TURNS", "NO_COLOR"))}
+    clean.update({"LLM_URL": url, "AGENT_ROOT": WORK, "XDG_STATE_HOME": STATE,
+                  "PYTHONIOENCODING": "utf-8"}, **(env or {}))
+    p = subprocess.run([sys.executable, AGENT, *args], input=stdin, env=clean,
+                       capture_output=True, timeout=timeout, cwd=WORK)
+    return p.returncode, p.stdout.decode(), p.stderr.decode()
+
+
+def assert_valid(test, messages):
+    """The transcript is one strict servers accept: every tool call answered, in order, once."""
+    test.assertEqual([m["role"] for m in messages].count("system"), 1)
+    test.assertEqual(messages[0]["role"], "system")
+    ids, waiting = set(), []
+    for m in messages[1:]:
+        test.assertIn(m["role"], ("user", "assistant", "tool"))
+        if m["role"] == "tool":
+            test.assertTrue(waiting, "a tool result that answers no call")
+            test.assertEqual(m["tool_call_id"], waiting.pop(0))
+            test.assertIsInstance(m["content"], str)
+            continue
+        test.assertEqual(waiting, [], "a tool call left unanswered")
+        test.assertIsInstance(m["content"], str)
+        for call in m.get("tool_calls", []):
+            test.assertEqual(call["type"], "function")
+            test.assertIsInstance(json.loads(call["function"]["arguments"]), dict)
+            test.assertNotIn(call["id"], ids, "a tool-call id used twice")
+            ids.add(call["id"])
+            waiting.append(call["id"])
+        if "tool_calls" in m:
+            test.assertTrue(m["tool_calls"], "an empty tool_calls list")
+    test.assertEqual(waiting, [], "the transcript ends with unanswered calls")
+
+
+def setUpModule():
+    """A small workspace to point the tools at, and a directory outside it."""
+    global WORK, OUTSIDE, STATE
+    top = tempfile.mkdtemp(prefix="agent-test-")
+    WORK, OUTSIDE, STATE = (os.path.join(top, d) for d in ("work", "outside", "state"))
+    for d in (WORK, OUTSIDE, STATE, os.path.join(WORK, "src")):
+        os.makedirs(d)
+    files = {
+        "hello.py": "def greet(name):\n    return 'hello ' + name\n\nprint(greet('world'))\n",
+        "src/app.py": "import hello\n\ndef main():\n    hello.greet('app')  # TODO: config\n",
+        "src/notes.txt": "TODO: write docs\nline two\n",
+        "big.txt": "".join("line %d\n" % i for i in range(1, 1001)),
+        "image.png": "\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",
+    }
+    for name, text in files.items():
+        with open(os.path.join(WORK, name), "w", encoding="latin-1") as f:
+            f.write(text)
+    with open(os.path.join(OUTSIDE, "secret.txt"), "w") as f:
+        f.write("TODO: the secret\n")
+    os.symlink(os.path.join(OUTSIDE, "secret.txt"), os.path.join(WORK, "link_out.txt"))
+    os.symlink(OUTSIDE, os.path.join(WORK, "dir_out"))
+
+
+def tearDownModule():
+    subprocess.run(["rm", "-rf", os.path.dirname(WORK)])
+
+
+def execute(name, **args):
+    """Run one tool through the real executor, sandboxed to the workspace."""
+    return agent.execute(WORK, name, json.dumps(args))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Configuration
+# ----------------------------------------------------------------------------------------------
+
+class ConfigurationTest(unittest.TestCase):
+
+    def test_flags_beat_environment_beats_defaults(self):
+        """A flag wins over its variable, a variable over the default, LLM_ over OPENAI_."""
+        env = {"LLM_URL": "http://env:1/v1", "OPENAI_BASE_URL": "http://openai:1/v1",
+               "OPENAI_MODEL": "m-openai", "LLM_TIMEOUT": "7", "MAX_TURNS": "3"}
+        cfg = agent.load_config(["--url", "http://flag:1/v1/", "--max-turns", "5"], env)
+        self.assertEqual((cfg.url, cfg.model, cfg.timeout, cfg.max_turns),
+                         ("http://flag:1/v1", "m-openai", 7.0, 5))
+        cfg = agent.load_config([], {"OPENAI_BASE_URL": "http://openai:1/v1/chat/completions"})
+        self.assertEqual((cfg.url, cfg.max_tokens, cfg.max_turns, cfg.api_key),
+                         ("http://openai:1/v1", 4096, 20, ""))
+        self.assertEqual(agent.load_config([], {}).url, "http://127.0.0.1:8080/v1")
+
+    def test_bad_settings_are_usage_errors(self):
+        """A bad value is a UsageError (exit 2) that names the setting."""
+        for argv, env, named in ((["--timeout", "soon"], {}, "LLM_TIMEOUT"),
+                                 ([], {"MAX_TURNS": "0"}, "MAX_TURNS"),
+                                 ([], {"LLM_MAX_TOKENS": "-1"}, "LLM_MAX_TOKENS"),
+                                 ([], {"LLM_URL": "localhost:8080"}, "LLM_URL"),
+                                 (["--root", "/no/such/dir"], {}, "AGENT_ROOT"),
+                                 (["--bogus"], {}, "--bogus")):
+            with self.assertRaises(agent.UsageError) as caught:
+                agent.load_config(argv, env)
+            self.assertIn(named, str(caught.exception))
+            self.assertEqual(caught.exception.exit_code, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Tools and the sandbox
+# ----------------------------------------------------------------------------------------------
+
+class SandboxTest(unittest.TestCase):
+
+    def test_paths_outside_the_root_are_refused(self):
+        """'..', absolute paths and symlinks that point out are refused, whatever the tool."""
+        for name, args in (("read_file", {"path": "../outside/secret.txt"}),
+                           ("read_file", {"path": os.path.join(OUTSIDE, "secret.txt")}),
+                           ("read_file", {"path": "link_out.txt"}),
+                           ("read_file", {"path": "dir_out/secret.txt"}),
+                           ("list_dir", {"path": "dir_out"}),
+                           ("search", {"pattern": "secret", "path": "dir_out"})):
+            result = execute(name, **args)
+            self.assertTrue(result.startswith("error: outside_root:"), result)
+            self.assertNotIn("the secret", result)
+
+    def test_search_does_not_follow_links_out(self):
+        """A search of the whole root does not read through a symlink that points out."""
+        self.assertNotIn("secret", execute("search", pattern="TODO"))
+
+    def test_absolute_path_inside_the_root_is_fine(self):
+        """An absolute path that stays inside the root is as good as a relative one."""
+        self.assertIn("def greet", execute("read_file", path=os.path.join(WORK, "hello.py")))
+
+
+class ToolsTest(unittest.TestCase):
+
+    def test_list_dir(self):
+        """Entries sorted, directories marked with '/', files with sizes, links with targets."""
+        rows = execute("list_dir").splitlines()
+        self.assertEqual(rows[0], "big.txt  (8.7 KB)")
+        self.assertIn("src/", rows)
+        self.assertIn("dir_out -> " + OUTSIDE, rows)
+        self.assertEqual(rows, sorted(rows))
+
+    def test_list_dir_is_capped(self):
+        """A directory of 250 entries shows 200 and says how many more there are."""
+        many = os.path.join(WORK, "many")
+        os.mkdir(many)
+        self.addCleanup(subprocess.run, ["rm", "-rf", many])
+        for i in range(250):
+            open(os.path.join(many, "f%03d" % i), "w").close()
+        rows = execute("list_dir", path="many").splitlines()
+        self.assertEqual(len(rows), 201)
+        self.assertIn("50 more entries", rows[-1])
+
+    def test_read_file_window(self):
+        """Numbered lines from offset, and a header saying which of how many, and what next."""
+        result = execute("read_file", path="big.txt", offset=10, limit=3)
+        self.assertEqual(result.splitlines(), [
+            "[lines 10-12 of 1,000 in big.txt; continue with offset=13]",
+            "    10\tline 10", "    11\tline 11", "    12\tline 12"])
+        whole = execute("read_file", path="hello.py")
+        self.assertTrue(whole.startswith("     1\tdef greet(name):"), whole)   # no header
+
+    def test_read_file_last_line_without_newline_and_past_the_end(self):
+        """A last line without a newline counts; an offset past the end says the range."""
+        with open(os.path.join(WORK, "short.txt"), "wb") as f:
+            f.write(b"one\r\ntwo\r\nthree")
+        self.assertEqual(execute("read_file", path="short.txt", offset=3),
+                         "[lines 3-3 of 3 in short.txt]\n     3\tthree")
+        self.assertIn("error: offset_past_end: 'short.txt' has 3 lines",
+                      execute("read_file", path="short.txt", offset=9))
+
+    def test_read_file_cuts_long_lines_and_reads_any_encoding(self):
+        """A 100,000-character line is cut; latin-1 bytes become replacement characters."""
+        with open(os.path.join(WORK, "wide.txt"), "wb") as f:
+            f.write(b"x" * 100_000 + b"\ncaf\xe9\n")
+        result = execute("read_file", path="wide.txt")
+        self.assertLess(len(result), 1000)
+        self.assertIn("… [line cut]", result)
+        self.assertIn("caf\ufffd", result)
+
+    def test_read_file_refuses_binary_directories_and_fifos(self):
+        """Binary files, directories and FIFOs each get their own error, and nothing blocks."""
+        self.assertTrue(execute("read_file", path="image.png").startswith("error: binary_file:"))
+        self.assertTrue(execute("read_file", path="src").startswith("error: is_a_directory:"))
+        fifo = os.path.join(WORK, "pipe")
+        os.mkfifo(fifo)
+        self.addCleanup(os.unlink, fifo)
+        self.assertTrue(execute("read_file", path="pipe").startswith(
+            "error: not_a_regular_file:"))
+        self.assertIn("TODO", execute("search", pattern="TODO"))   # the search skips it
+        self.assertIn("pipe  (not a regular file)", execute("list_dir"))
+
+    def test_read_file_on_a_large_file_reads_the_window_only(self):
+        """Reading near the end of a 30 MB file keeps memory flat and counts the lines."""
+        path = os.path.join(WORK, "large.log")
+        self.addCleanup(os.unlink, path)
+        with open(path, "wb") as f:
+            f.write(("y" * 99 + "\n").encode() * 300_000)
+        result = execute("read_file", path="large.log", offset=299_999)
+        self.assertEqual(result.splitlines()[0],
+                         "[lines 299999-300000 of 300,000 in large.log]")
+
+    def test_search_rows_and_no_match(self):
+        """Matches come as path:line: text rows; no match is a normal result, not an error."""
+        self.assertEqual(execute("search", pattern="TODO").splitlines(),
+                         ["src/app.py:4: hello.greet('app')  # TODO: config",
+                          "src/notes.txt:1: TODO: write docs"])
+        self.assertEqual(execute("search", pattern="TODO", glob="*.py"),
+                         "src/app.py:4: hello.greet('app')  # TODO: config")
+        self.assertTrue(execute("search", pattern="nothing_like_this").startswith(
+            "no matches for 'nothing_like_this'"))
+
+    def test_search_matches_line_by_line(self):
+        """^ and $ anchor at lines, and a pattern never matches across a line break."""
+        self.assertEqual(execute("search", pattern="^line two$", path="src"),
+                         "src/notes.txt:2: line two")
+        self.assertIn("no matches", execute("search", pattern=r"docs\sline", path="src"))
+        self.assertEqual(execute("search", pattern=r"\Aline t", path="src"),
+                         "src/notes.txt:2: line two")
+
+    def test_search_is_capped_but_counts_everything(self):
+        """1,000 matches: 100 rows shown, all counted, and a hint to narrow."""
+        rows = execute("search", pattern="^line", path="big.txt").splitlines()
+        self.assertEqual(len(rows), 101)
+        self.assertIn("100 of 1,000 matches shown", rows[-1])
+
+    def test_search_honours_gitignore(self):
+        """Inside a git repository, what .gitignore ignores is not searched, nor .git."""
+        repo = os.path.join(WORK, "repo")
+        os.makedirs(os.path.join(repo, "build"))
+        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
+        subprocess.run(["git", "init", "-q", repo], check=True)
+        for name, text in ((".gitignore", "build/\n"), ("kept.c", "needle\n"),
+                           ("build/out.c", "needle\n")):
+            with open(os.path.join(repo, name), "w") as f:
+                f.write(text)
+        self.assertEqual(execute("search", pattern="needle", path="repo"), "repo/kept.c:1: needle")
+        self.assertEqual(execute("find_files", pattern="*.c"), "repo/kept.c")
+
+    def test_find_files(self):
+        """A glob with '**' spans directories; without '/' it matches names at any depth."""
+        self.assertEqual(execute("find_files", pattern="*.py").splitlines(),
+                         ["hello.py", "src/app.py"])
+        self.assertEqual(execute("find_files", pattern="src/**/*.{py,txt}").splitlines(),
+                         ["src/app.py", "src/notes.txt"])
+        self.assertEqual(execute("find_files", pattern="**/app.py"), "src/app.py")
+        self.assertTrue(execute("find_files", pattern="*.rs").startswith("no files match"))
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The executor: every failure becomes text
+# ----------------------------------------------------------------------------------------------
+
+class SearchEdgesTest(unittest.TestCase):
+
+    def setUp(self):
+        agent.TOOL_SECONDS, self.saved = 2, agent.TOOL_SECONDS   # a runaway tool fails the test
+
+    def tearDown(self):
+        agent.TOOL_SECONDS = self.saved
+
+    def write(self, name, data):
+        path = os.path.join(WORK, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        self.addCleanup(os.unlink, path)
+
+    def test_lines_are_lines(self):
+        """No phantom line after the last; CRLF lines end before the CR; lookaheads see a line."""
+        self.write("two.txt", b"a\n\nb\n")
+        self.write("crlf.txt", b"ab\r\nx; y\r\n")
+        self.assertEqual(execute("search", pattern="^$", path="two.txt"), "two.txt:2: ")
+        self.assertEqual(execute("search", pattern="b$", path="crlf.txt"), "crlf.txt:1: ab")
+        self.write("semi.txt", b"x;\ny; z\n")
+        self.assertEqual(execute("search", pattern=r";(?!\s)", path="semi.txt"), "semi.txt:1: x;")
+        self.write("last.txt", b"a\nb")
+        self.assertEqual(execute("search", pattern="$", path="last.txt"),
+                         "last.txt:1: a\nlast.txt:2: b")
+        self.assertEqual(execute("search", pattern=r"\Ab", path="last.txt"), "last.txt:2: b")
+
+    def test_patterns_that_cross_lines_stay_fast(self):
+        """A pattern whose matches would span lines is searched line by line, not rescanned."""
+        self.write("as.txt", b"a\n" * 100_000)
+        self.assertTrue(execute("search", pattern="a[^z]*z", path="as.txt").startswith(
+            "no matches"))
+
+    def test_a_runaway_regex_is_stopped(self):
+        """Catastrophic backtracking ends as a timeout error, not a hang."""
+        self.write("aaa.txt", b"a" * 40 + b"b\n")
+        agent.TOOL_SECONDS = 0.3
+        self.assertTrue(execute("search", pattern="(a+)+$", path="aaa.txt").startswith(
+            "error: timeout:"))
+
+    def test_globs(self):
+        """Nested braces expand, many stars do not backtrack, a bad bracket is a bad_glob."""
+        self.write("a" * 200, b"")
+        self.assertEqual(execute("find_files", pattern="*.{py,{txt,md}}").splitlines(),
+                         ["big.txt", "hello.py", "link_out.txt", "src/app.py", "src/notes.txt"])
+        self.assertEqual(execute("find_files", pattern="./*.py"), "hello.py")
+        self.assertTrue(execute("find_files", pattern="*a*a*a*a*a*a*a*b").startswith("no files"))
+        bad_range = execute("find_files", pattern="[z-a]*")   # Python 3.9 refuses it, 3.11 not
+        self.assertTrue(bad_range.startswith(("error: bad_glob:", "no files match")), bad_range)
+
+    def test_symlinked_directory_in_a_git_index_is_not_followed(self):
+        """A file git lists under a directory since replaced by a link out is not read."""
+        repo = os.path.join(WORK, "trap")
+        os.makedirs(os.path.join(repo, "etc"))
+        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
+        with open(os.path.join(repo, "etc", "secret.txt"), "w") as f:
+            f.write("the secret\n")
+        subprocess.run(["git", "init", "-q", repo], check=True)
+        subprocess.run(["git", "-C", repo, "add", "."], check=True)
+        subprocess.run(["rm", "-r", os.path.join(repo, "etc")], check=True)
+        os.symlink(OUTSIDE, os.path.join(repo, "etc"))
+        self.assertTrue(execute("search", pattern="secret", path="trap").startswith("no matches"))
+
+
+class ExecutorTest(unittest.TestCase):
+    # (tool, raw arguments, what the result must start with, what else it must say)
+    FAILURES = [
+        ("read_file", '```json\n{"path": "hello.py"}\n```', "error: invalid_json:",
+         "without code fences"),
+        ("read_file", '{"path": "hello.py"', "error: invalid_json:", "Resend"),
+        ("read_file", '["hello.py"]', "error: invalid_arguments:", "JSON object"),
+        ("open_file", '{"path": "hello.py"}', "error: unknown_tool:",
+         "list_dir, read_file, search, find_files"),
+        ("read_file", '{}', "error: missing_parameter:", "'path'"),
+        ("read_file", '{"path": "hello.py", "lines": 3}', "error: unknown_parameter:",
+         "'lines'"),
+        ("read_file", '{"path": "hello.py", "offset": "3"}', "error: wrong_type:",
+         "'offset' must be integer, got str"),
+        ("read_file", '{"path": "hello.py", "offset": true}', "error: wrong_type:",
+         "'offset' must be integer, got bool"),
+        ("read_file", '{"path": "src/nope.py"}', "error: not_found:", "list_dir with path 'src'"),
+        ("list_dir", '{"path": "nope/deeper"}', "error: not_found:", "list_dir with path '.'"),
+        ("read_file", '{"path": "../outside/secret.txt"}', "error: outside_root:", "outside"),
+        ("read_file", '{"path": "image.png"}', "error: binary_file:", "search"),
+        ("search", '{"pattern": "greet("}', "error: bad_regex:", "missing ), unterminated"),
+        ("list_dir", '{"path": "hello.py"}', "error: not_a_directory:", "read_file"),
+        ("read_file", '{"path": "\\ud800"}', "error: bad_path:", "relative to the"),
+        ("read_file", "[" * 100_000 + "]" * 100_000, "error: invalid_json:", "Resend"),
+        ("read_file", '{"path": "big.txt", "offset": 0}', "error: bad_argument:", "offset=0"),
+    ]
+
+    def test_every_failure_is_an_error_result(self):
+        """Each kind of bad call comes back as 'error: KIND:' text naming what to do."""
+        for name, arguments, start, says in self.FAILURES:
+            with self.subTest(name=name, arguments=arguments):
+                result = agent.execute(WORK, name, arguments)
+                self.assertTrue(result.startswith(start), result)
+                self.assertIn(says, result)
+
+    def test_arguments_may_be_an_object_empty_or_null(self):
+        """Arguments as an object, '' or null are all accepted (null means the default)."""
+        self.assertIn("hello.py", agent.execute(WORK, "list_dir", {"path": "."}))
+        self.assertIn("hello.py", agent.execute(WORK, "list_dir", ""))
+        self.assertIn("hello.py", agent.execute(WORK, "list_dir", None))
+        self.assertIn("hello.py", agent.execute(WORK, "list_dir", '{"path": null}'))
+        self.assertIn("\tline 2", agent.execute(WORK, "read_file", '{"path": "big.txt", '
+                                                                   '"offset": 2.0, "limit": 1}'))
+
+    def test_a_crashing_tool_is_reported_not_raised(self):
+        """A tool that raises is a tool_crashed result that says repeating will not help."""
+        def broken(root, path="."):
+            raise ZeroDivisionError("division by zero")
+        with unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"list_dir": broken}):
+            result = agent.execute(WORK, "list_dir", "{}")
+        self.assertTrue(result.startswith("error: tool_crashed: list_dir failed with "
+                                          "ZeroDivisionError"), result)
+        self.assertIn("repeating this will not help", result)
+
+    def test_long_output_keeps_beginning_and_end(self):
+        """Output over 8,000 characters keeps its head and tail, with a marker between."""
+        with open(os.path.join(WORK, "wide_matches.txt"), "w") as f:
+            f.write("".join("needle %d %s\n" % (i, "x" * 200) for i in range(1, 151)))
+        self.addCleanup(os.unlink, os.path.join(WORK, "wide_matches.txt"))
+        result = execute("search", pattern="needle", path="wide_matches.txt")
+        self.assertLessEqual(len(result), agent.RESULT_CAP + 200)
+        self.assertTrue(result.startswith("wide_matches.txt:1: needle 1 xxx"))
+        self.assertTrue(result.endswith("[100 of 150 matches shown, in 1 files; narrow with a "
+                                        "more specific pattern, a path or a glob]"), result[-200:])
+        self.assertIn("characters cut here; narrow the request", result)
+
+    def test_read_file_stops_at_the_cap_and_says_where_to_go_on(self):
+        """A read too long for one result ends early, with the offset that continues it."""
+        result = execute("read_file", path="big.txt", limit=10 ** 9)
+        header, rows = result.split("\n", 1)
+        last = int(rows.splitlines()[-1].split("\t")[0])
+        self.assertLess(len(result), agent.RESULT_CAP)
+        self.assertEqual(header, "[lines 1-%d of 1,000 in big.txt; continue with offset=%d]"
+                         % (last, last + 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Talking to the model
+# ----------------------------------------------------------------------------------------------
+
+class TransportTest(unittest.TestCase):
+
+    def test_retries_what_may_pass(self):
+        """408, 409, 429, 5xx, a dropped connection and a non-JSON body are all retried."""
+        for failure in ({"status": 408}, {"status": 409}, {"status": 429}, {"status": 500},
+                        {"status": 503, "body": {"error": {"message": "loading model"}}},
+                        {"drop": True}, {"raw": b"<html>bad gateway</html>"},
+                        {"raw": b'{"object": "chat.completion"}'}):
+            with self.subTest(failure=failure):
+                run = run_agent([failure, reply("fine")])
+                self.assertEqual(run.answer, "fine")
+                self.assertEqual(len(run.bodies), 2)
+                self.assertIn("retrying", run.stderr)
+
+    def test_gives_up_after_four_attempts(self):
+        """Four failures in a row end the turn with the last one, in one line."""
+        run = run_agent([{"status": 502, "body": "upstream gone"}] * 4)
+        self.assertIsInstance(run.answer, agent.Fatal)
+        self.assertIn("HTTP 502: upstream gone (gave up after 4 attempts)", str(run.answer))
+        self.assertEqual(len(run.bodies), 4)
+        assert_valid(self, run.session.messages)
+
+    def test_no_retry_for_client_errors(self):
+        """400, 401, 403, 404 and 422 stop at once, with the server's own message."""
+        for status in (400, 401, 403, 404, 422):
+            with self.subTest(status=status):
+                run = run_agent([{"status": status, "body": {"error": {"message": "nope %d" %
+                                                                       status}}}, reply("x")])
+                self.assertIsInstance(run.answer, agent.Fatal)
+                self.assertIn("nope %d" % status, str(run.answer))
+                self.assertEqual(len(run.bodies), 1)
+
+    def test_error_shapes(self):
+        """The message is found in every error shape servers use, even inside an HTTP 200."""
+        for body, status in (({"error": {"message": "shape one"}}, 400),
+                             ({"error": "shape two"}, 400),
+                             ({"object": "error", "message": "shape three", "code": 400}, 400),
+                             ([{"error": {"message": "shape four"}}], 400),
+                             ({"detail": "shape five"}, 422),
+                             ({"error": {"message": "shape six", "code": 400}}, 200)):
+            with self.subTest(body=body):
+                run = run_agent([{"status": status, "body": body}])
+                self.assertIsInstance(run.answer, agent.Fatal)
+                self.assertIn("shape", str(run.answer))
+                self.assertEqual(len(run.bodies), 1)
+
+    def test_retry_after_is_honoured(self):
+        """A 429 with retry-after-ms waits that long before asking again."""
+        with CannedServer([{"status": 429, "headers": {"retry-after-ms": "300"}},
+                           reply("ok")]) as server:
+            session = agent.new_session(config(server.url))
+            start = time.monotonic()
+            with contextlib.redirect_stderr(io.StringIO()):
+                self.assertEqual(agent.run_turn(session, "q"), "ok")
+            self.assertGreaterEqual(time.monotonic() - start, 0.3)
+        self.assertEqual(agent.retry_wait({"retry-after": "2"}), 2.0)
+
+    def test_timeouts_are_retried(self):
+        """A server slower than the timeout is asked again, then reported."""
+        with CannedServer([{"delay": 0.4, **reply("late")}, reply("in time")] +
+                          [{"delay": 0.4, **reply("late")}] * 4) as server:
+            session = agent.new_session(config(server.url))
+            session.cfg.timeout = 0.2
+            with contextlib.redirect_stderr(io.StringIO()):
+                self.assertEqual(agent.run_turn(session, "q"), "in time")
+                with self.assertRaises(agent.Fatal) as caught:
+                    agent.run_turn(session, "q")
+        self.assertIn("no answer within 0.2 s (LLM_TIMEOUT) (gave up after 4 attempts)",
+                      str(caught.exception))
+
+    def test_context_full_and_no_tools_are_explained(self):
+        """A full context and a server without tool support are each explained in one line."""
+        full = {"error": {"code": 400, "type": "exceed_context_size_error", "n_ctx": 8192,
+                          "n_prompt_tokens": 9412, "message": "request (9412 tokens) exceeds "
+                          "the available context size (8192 tokens), try increasing it"}}
+        openai = {"error": {"code": "context_length_exceeded", "message": "Your input exceeds "
+                            "the context window of this model."}}
+        jinja = {"error": {"code": 500, "type": "server_error",
+                           "message": "tools param requires --jinja flag"}}
+        ollama = {"error": {"message": "registry.ollama.ai/library/gemma3:4b does not support "
+                            "tools", "type": "invalid_request_error"}}
+        for body, status, says in ((full, 400, "(9412 tokens > 8192)"),
+                                   (openai, 400, "no longer fits"),
+                                   (jinja, 500, "start llama-server with --jinja"),
+                                   (ollama, 400, "does not accept tools")):
+            with self.subTest(says=says):
+                run = run_agent([{"status": status, "body": body}])
+                self.assertIn(says, str(run.answer))
+                self.assertEqual(len(run.bodies), 1)   # not retried, not even the 500
+                self.assertNotIn("\n", str(run.answer))
+
+    def test_no_server_says_how_to_start_one(self):
+        """Nothing listening at the URL: tried again, then explained with what to do."""
+        port = socket.socket()
+        port.bind(("127.0.0.1", 0))
+        url = "http://127.0.0.1:%d/v1" % port.getsockname()[1]
+        port.close()
+        session = agent.new_session(config(url))
+        with contextlib.redirect_stderr(io.StringIO()):
+            with self.assertRaises(agent.Fatal) as caught:
+                agent.run_turn(session, "q")
+        self.assertIn("no server is listening at " + url, str(caught.exception))
+        self.assertIn("llama-server", str(caught.exception))
+
+    def test_max_tokens_moves_to_max_completion_tokens(self):
+        """A server that refuses max_tokens is asked again with max_completion_tokens, for good."""
+        refusal = {"error": {"message": "Unsupported parameter: 'max_tokens' is not supported "
+                             "with this model. Use 'max_completion_tokens' instead.",
+                             "code": "unsupported_parameter"}}
+        run = run_agent([{"status": 400, "body": refusal}, calls(tool_call("list_dir")),
+                         reply("done")])
+        self.assertEqual(run.answer, "done")
+        self.assertEqual([("max_tokens" in b, b.get("max_completion_tokens")) for b in run.bodies],
+                         [(True, None), (False, 4096), (False, 4096)])
+
+    def test_max_tokens_zero_sends_no_cap(self):
+        """LLM_MAX_TOKENS=0 sends neither max_tokens nor max_completion_tokens."""
+        run = run_agent([reply("ok")], "q", "--max-tokens", "0")
+        self.assertFalse({"max_tokens", "max_completion_tokens"} & set(run.bodies[0]))
+
+    def test_api_key_is_sent_but_never_shown(self):
+        """The key goes in the Authorization header only; an echo of it is blanked out."""
+        key = "sk-test-very-secret"
+        with CannedServer([{"status": 401, "body": {"error": "bad key " + key}}]) as server:
+            session = agent.new_session(config(server.url, LLM_API_KEY=key))
+            with self.assertRaises(agent.Fatal) as caught:
+                agent.run_turn(session, "q")
+            self.assertEqual(server.requests[0]["headers"]["Authorization"], "Bearer " + key)
+        self.assertNotIn(key, str(caught.exception))
+        self.assertIn("check LLM_API_KEY", str(caught.exception))
+
+    def test_model_comes_from_the_server_or_is_default(self):
+        """No model set: the first from GET /models, or 'default' if the server lists none."""
+        for models, expected in ((["first", "second"], "first"), ([], "default")):
+            with CannedServer([reply("ok")], models=models) as server:
+                session = agent.new_session(agent.load_config(
+                    ["--url", server.url, "--root", WORK], {}))
+                agent.run_turn(session, "q")
+                self.assertEqual(server.bodies()[0]["model"], expected)
+
+
+class NormaliseTest(unittest.TestCase):
+
+    def test_arguments_in_any_shape_become_json_text(self):
+        """Arguments as an object, '' or null are run, and sent back as JSON object text."""
+        run = run_agent([calls(tool_call("list_dir", arguments={"path": "src"}),
+                               tool_call("list_dir", arguments=""),
+                               tool_call("list_dir", arguments=None)), reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual([c["function"]["arguments"] for c in sent[2]["tool_calls"]],
+                         ['{"path": "src"}', "{}", "{}"])
+        self.assertIn("app.py", sent[3]["content"])
+        self.assertIn("hello.py", sent[4]["content"])
+        assert_valid(self, run.session.messages)
+
+    def test_broken_arguments_are_reported_and_replaced(self):
+        """Broken JSON arguments get an error result; the transcript holds '{}' in their place."""
+        run = run_agent([calls(tool_call("read_file", arguments='{"path": "hello.py"')),
+                         reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual(sent[2]["tool_calls"][0]["function"]["arguments"], "{}")
+        self.assertTrue(sent[3]["content"].startswith("error: invalid_json:"))
+
+    def test_ids_missing_or_repeated_are_made_unique(self):
+        """Missing ids are given, and an id the server repeats across turns is replaced."""
+        run = run_agent([{"message": {"role": "assistant", "tool_calls": [
+                            {"function": {"name": "list_dir", "arguments": "{}"}}]},
+                          "finish_reason": "tool_calls"},
+                         calls(tool_call("list_dir", id="same"), tool_call("search", id="same",
+                                                                          pattern="x")),
+                         calls(tool_call("find_files", id="same", pattern="*.py")),
+                         reply("done")])
+        assert_valid(self, run.session.messages)
+        ids = [c["id"] for m in run.session.messages for c in m.get("tool_calls", [])]
+        self.assertEqual(len(ids), len(set(ids)))
+        self.assertEqual(ids[1], "same")
+        self.assertTrue(all(len(i) == 9 and i.isalnum() for i in ids if i != "same"), ids)
+
+    def test_tool_calls_with_finish_reason_stop_still_run(self):
+        """finish_reason 'stop' beside tool calls: the calls still run."""
+        run = run_agent([calls(tool_call("list_dir"), finish_reason="stop"), reply("done")])
+        self.assertEqual(run.answer, "done")
+        self.assertEqual(run.bodies[1]["messages"][-1]["role"], "tool")
+
+    def test_content_null_missing_or_beside_calls(self):
+        """content null or missing becomes ''; text beside calls is kept and shown on stderr."""
+        run = run_agent([{"message": {"role": "assistant", "content": None, "tool_calls": [
+                            tool_call("list_dir", id="a")]}, "finish_reason": "tool_calls"},
+                         calls(tool_call("list_dir", path="src", id="b"),
+                               content="Looking in src."),
+                         {"message": {"role": "assistant"}, "finish_reason": "stop"}])
+        assistants = [m for m in run.session.messages if m["role"] == "assistant"]
+        self.assertEqual([m["content"] for m in assistants], ["", "Looking in src.", ""])
+        self.assertIn("Looking in src.", run.stderr)
+        self.assertEqual(run.answer, "")
+
+    def test_reasoning_is_shown_but_not_sent_back(self):
+        """reasoning_content and reasoning reach stderr and never the transcript."""
+        run = run_agent([calls(tool_call("list_dir"), reasoning_content="thinking A"),
+                         reply("<think>thinking C</think>done", reasoning="thinking B")])
+        self.assertEqual(run.answer, "done")
+        for thought in ("thinking A", "thinking B", "thinking C"):
+            self.assertIn(thought, run.stderr)
+            self.assertNotIn(thought, json.dumps(run.session.messages))
+            self.assertNotIn(thought, json.dumps(run.bodies))
+
+    def test_reply_cut_by_the_token_cap_is_not_executed(self):
+        """finish_reason 'length' with tool calls: none of them runs; the model is told why."""
+        run = run_agent([calls(tool_call("read_file", arguments='{"path": "hel'),
+                               finish_reason="length"), reply("sorry")])
+        result = run.bodies[1]["messages"][-1]["content"]
+        self.assertTrue(result.startswith("error: cut_off:"), result)
+        self.assertNotIn("⚙", run.stderr)
+        assert_valid(self, run.session.messages)
+
+    def test_what_is_sent_back_is_strict(self):
+        """System first; assistant calls with string JSON arguments; one tool message per call."""
+        run = run_agent([calls(tool_call("list_dir"), tool_call("read_file", path="hello.py")),
+                         reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "tool",
+                                                     "tool"])
+        self.assertEqual(set(sent[2]), {"role", "content", "tool_calls"})
+        self.assertEqual([m["tool_call_id"] for m in sent[3:]],
+                         [c["id"] for c in sent[2]["tool_calls"]])
+        self.assertEqual(set(sent[3]), {"role", "tool_call_id", "content"})
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. The loop
+# ----------------------------------------------------------------------------------------------
+
+class LoopTest(unittest.TestCase):
+
+    def test_a_tool_error_goes_back_to_the_model(self):
+        """A tool error is sent back to the model, not raised, and the loop goes on."""
+        run = run_agent([calls(tool_call("read_file", path="nope.py")), reply("it is missing")])
+        self.assertEqual(run.answer, "it is missing")
+        self.assertTrue(run.bodies[1]["messages"][-1]["content"].startswith("error: not_found"))
+        self.assertIn("⚙ read_file", run.stderr)
+
+    def test_stops_when_no_tool_is_called(self):
+        """A reply without tool calls is the answer: one request, nothing more."""
+        run = run_agent([reply("at once")])
+        self.assertEqual((run.answer, len(run.bodies)), ("at once", 1))
+
+    def test_max_turns_ends_with_an_answer_without_tools(self):
+        """At MAX_TURNS one last request forbids tools (same tools list) and asks for an answer."""
+        script = [calls(tool_call("read_file", path="big.txt", offset=n)) for n in (1, 2, 3)]
+        run = run_agent(script + [reply("best effort")], "q", "--max-turns", "3")
+        self.assertEqual(run.answer, "best effort")
+        self.assertEqual(len(run.bodies), 4)
+        last = run.bodies[-1]
+        self.assertEqual(last["tool_choice"], "none")
+        self.assertEqual(last["tools"], run.bodies[0]["tools"])
+        self.assertIn("Do not call tools", last["messages"][-1]["content"])
+        self.assertNotIn("tool_choice", run.bodies[0])
+
+    def test_final_answer_drops_calls_a_server_sends_anyway(self):
+        """If the final reply still calls tools, they are not run and the transcript stays valid."""
+        run = run_agent([calls(tool_call("list_dir")), calls(tool_call("list_dir", path="src"),
+                                                             content="partial")],
+                        "q", "--max-turns", "1")
+        self.assertEqual(run.answer, "partial")
+        self.assertNotIn("tool_calls", run.session.messages[-1])
+        assert_valid(self, run.session.messages)
+
+    def test_repeated_calls_are_refused_then_end_the_turn(self):
+        """The same call a third time gets an error; a fourth ends the turn with an answer."""
+        same = [calls(tool_call("list_dir", path="src")) for _ in range(4)]
+        run = run_agent(same + [reply("giving up")])
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertIn("app.py", results[1])
+        self.assertTrue(results[2].startswith("error: repeated_call:"))
+        self.assertTrue(results[3].startswith("error: repeated_call:"))
+        self.assertEqual(run.answer, "giving up")
+        self.assertEqual(run.bodies[-1]["tool_choice"], "none")
+        self.assertEqual(len(run.bodies), 5)
+
+    def test_the_request_prefix_is_stable(self):
+        """Each request starts with the exact bytes of the one before: a server's cache holds."""
+        run = run_agent([calls(tool_call("list_dir")), calls(tool_call("search", pattern="x")),
+                         calls(tool_call("read_file", path="hello.py")), reply("done")])
+        for before, after in zip(run.bodies, run.bodies[1:]):
+            n = len(before["messages"])
+            self.assertEqual(json.dumps(after["messages"][:n]), json.dumps(before["messages"]))
+            self.assertEqual(json.dumps(after["tools"]), json.dumps(before["tools"]))
+            self.assertEqual(set(after) - {"messages"}, set(before) - {"messages"})
+
+    def test_an_interruption_leaves_the_transcript_valid(self):
+        """Ctrl+C during a tool answers every open call and closes the turn."""
+        def interrupt(root, **args):
+            raise KeyboardInterrupt
+        with unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"search": interrupt}):
+            with CannedServer([calls(tool_call("list_dir"), tool_call("search", pattern="x"),
+                                     tool_call("find_files", pattern="*"))]) as server:
+                session = agent.new_session(config(server.url))
+                with contextlib.redirect_stderr(io.StringIO()):
+                    with self.assertRaises(KeyboardInterrupt):
+                        agent.run_turn(session, "q")
+        assert_valid(self, session.messages)
+        self.assertEqual([m["content"][:18] for m in session.messages[-3:]],
+                         ["error: interrupted", "error: interrupted", "[interrupted by th"])
+
+    def test_a_failed_request_leaves_the_transcript_valid(self):
+        """A turn that ends with a server error leaves a transcript the next turn can use."""
+        with CannedServer([calls(tool_call("list_dir")), {"status": 401}, reply("again")]) as s:
+            session = agent.new_session(config(s.url))
+            with contextlib.redirect_stderr(io.StringIO()):
+                with self.assertRaises(agent.Fatal):
+                    agent.run_turn(session, "q")
+                self.assertEqual(agent.run_turn(session, "q2"), "again")
+            roles = [m["role"] for m in s.bodies()[-1]["messages"]]
+        self.assertEqual(roles, ["system", "user", "assistant", "tool", "assistant", "user"])
+        assert_valid(self, session.messages)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. The terminal
+# ----------------------------------------------------------------------------------------------
+
+class CommandLineTest(unittest.TestCase):
+
+    def test_one_shot_prints_only_the_answer_on_stdout(self):
+        """The answer alone on stdout, each tool call on stderr, exit 0."""
+        with CannedServer([calls(tool_call("read_file", path="hello.py")),
+                           reply("It greets.")]) as server:
+            code, out, err = cli(["what does hello.py do?"], url=server.url)
+            sent = server.bodies()[0]["messages"][1]["content"]
+        self.assertEqual((code, out), (0, "It greets.\n"))
+        self.assertIn('⚙ read_file({"path": "hello.py"}) → 4 lines', err)
+        self.assertEqual(sent, "what does hello.py do?")
+
+    def test_piped_stdin_joins_the_question_or_is_it(self):
+        """stdin is added to the question; with no question it is the question."""
+        with CannedServer([reply("reviewed"), reply("summarised")]) as server:
+            self.assertEqual(cli(["review this"], stdin=b"+ added \xff line\n",
+                                 url=server.url)[:2], (0, "reviewed\n"))
+            self.assertEqual(cli([], stdin=b"summarise me", url=server.url)[:2],
+                             (0, "summarised\n"))
+            first, second = (b["messages"][1]["content"] for b in server.bodies())
+        self.assertEqual(first, "review this\n\n<stdin>\n+ added \ufffd line\n\n</stdin>")
+        self.assertEqual(second, "summarise me")
+
+    def test_exit_codes(self):
+        """1 when the model cannot be reached or refuses, 2 for usage errors, one line each."""
+        code, out, err = cli(["q"])   # port 9: nothing listens
+        self.assertEqual((code, out), (1, ""))
+        self.assertIn("agent: no server is listening at http://127.0.0.1:9/v1", err)
+        self.assertNotIn("Traceback", err)
+        with CannedServer([{"status": 401, "body": {"error": "invalid key"}}]) as server:
+            code, _, err = cli(["q"], url=server.url)
+        self.assertEqual(code, 1)
+        self.assertEqual(err.count("\n"), 1, err)
+        for args, env in ((["--max-turns", "x", "q"], {}), (["q"], {"LLM_TIMEOUT": "-3"}),
+                          ([], {})):
+            code, _, err = cli(args, env=env)
+            self.assertEqual(code, 2, err)
+            self.assertTrue(err.startswith("agent: "), err)
+
+    def test_version_help_and_tool(self):
+        """--version, --help and --tool answer without a model."""
+        self.assertEqual(cli(["--version"])[:2], (0, "agent.py %s\n" % agent.VERSION))
+        code, out, _ = cli(["--help"])
+        self.assertEqual(code, 0)
+        self.assertIn("--max-turns", out)
+        code, out, _ = cli(["--tool", "search", '{"pattern": "def greet"}'])
+        self.assertEqual((code, out), (0, "hello.py:1: def greet(name):\n"))
+        code, out, _ = cli(["--tool", "read_file", '{"path": "../x"}'])
+        self.assertEqual(code, 1)
+        self.assertTrue(out.startswith("error: outside_root"))
+
+    def test_no_color_and_no_tty_mean_plain_text(self):
+        """Without a terminal, stderr carries no escape codes."""
+        with CannedServer([calls(tool_call("read_file", path="nope")), reply("ok")]) as server:
+            _, _, err = cli(["q"], url=server.url)
+        self.assertIn("error: not_found", err)
+        self.assertNotIn("\033[", err)
+
+    def test_demo_recovers_from_three_failures(self):
+        """The demo runs offline, walks into three failures, recovers, and answers."""
+        code, out, err = cli(["--demo"])
+        self.assertEqual(code, 0)
+        self.assertIn("The loop is run_turn() in agent.py:", out)
+        for failure in ("error: not_found", "error: bad_regex", "error: invalid_json"):
+            self.assertIn(failure, err)
+        line = int(out.split("agent.py:")[1].split(".")[0])
+        with open(AGENT) as f:
+            self.assertTrue(f.readlines()[line - 1].startswith("def run_turn("))
+
+
+class Terminal:
+    """agent.py's REPL on a pseudo-terminal, driven like a user at the keyboard."""
+
+    def __init__(self, url):
+        master, slave = pty.openpty()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "AGENT_"))}
+        env.update(LLM_URL=url, LLM_MODEL="m", AGENT_ROOT=WORK, NO_COLOR="1",
+                   XDG_STATE_HOME=STATE)
+        self.process = subprocess.Popen([sys.executable, AGENT], stdin=slave, stdout=slave,
+                                        stderr=slave, env=env, close_fds=True)
+        os.close(slave)
+        self.master, self.shown, self.seen = master, b"", 0
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self):
+        """Collect everything the terminal shows, until the other side closes."""
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.shown += chunk
+
+    def expect(self, text, timeout=10):
+        """Wait until text appears after what was expected before."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            at = self.shown.find(text.encode(), self.seen)
+            if at >= 0:
+                self.seen = at + len(text.encode())
+                return
+            time.sleep(0.02)
+        raise AssertionError("%r never appeared in %r" % (text, self.shown[self.seen:]))
+
+    def type(self, keys):
+        os.write(self.master, keys.encode())
+
+    def close(self):
+        """Wait for the process to exit; return its exit code."""
+        code = self.process.wait(timeout=10)
+        self.reader.join(timeout=2)
+        os.close(self.master)
+        return code
+
+
+class ReplTest(unittest.TestCase):
+
+    def test_a_session_keeps_the_conversation(self):
+        """Questions share one transcript; /help and /clear work; Ctrl+D quits with 0."""
+        script = [reply("first answer"), reply("second answer"), reply("after clear")]
+        with CannedServer(script) as server:
+            term = Terminal(server.url)
+            for keys, shows in (("/help\n", "/clear"), ("one\n", "first answer"),
+                                ("two\n", "second answer"), ("/clear\n", "conversation cleared"),
+                                ("three\n", "after clear")):
+                term.expect("› ")
+                term.type(keys)
+                term.expect(shows)
+            term.expect("› ")
+            term.type("\x04")
+            self.assertEqual(term.close(), 0)
+            self.assertEqual([len(b["messages"]) for b in server.bodies()], [2, 4, 2])
+
+    def test_ctrl_c_stops_a_request_and_keeps_the_session(self):
+        """Ctrl+C during a request returns to the prompt; the next question still works."""
+        with CannedServer([{"delay": 5, **reply("too late")}, reply("next answer")]) as server:
+            term = Terminal(server.url)
+            term.expect("› ")
+            term.type("slow\n")
+            while not server.bodies():
+                time.sleep(0.02)
+            term.process.send_signal(signal.SIGINT)   # what Ctrl+C sends
+            term.expect("interrupted; the conversation is kept")
+            term.expect("› ")
+            term.type("again\n")
+            term.expect("next answer")
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+            self.assertEqual([m["role"] for m in server.bodies()[-1]["messages"]],
+                             ["system", "user", "assistant", "user"])
+        self.assertNotIn(b"Traceback", term.shown)
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. Fuzz: malformed replies and statuses, seeded
+# ----------------------------------------------------------------------------------------------
+
+class FuzzTest(unittest.TestCase):
+
+    def test_malformed_replies_never_crash_the_loop(self):
+        """300 seeded random replies: no exception but Fatal, and always a valid transcript."""
+        rng = random.Random(20261129)
+        junk = [None, "", "{", "[]", "null", 0, [], {}, {"path": 3}, '{"path": "hello.py"}',
+                '{"pattern": "(", "path": "src"}', '{"path": "../../etc/passwd"}', "\udcff"]
+
+        def random_call():
+            call = {}
+            if rng.random() < 0.8:
+                call["id"] = rng.choice(["a", "a", "", None, 7, "call_x" + str(rng.random())])
+            if rng.random() < 0.9:
+                call["function"] = {"name": rng.choice(["list_dir", "read_file", "search",
+                                                        "nope", "", None, 5]),
+                                    "arguments": rng.choice(junk)}
+            return rng.choice([call, call, call, "junk", None, 3])
+
+        def random_step():
+            kind = rng.random()
+            if kind < 0.15:
+                return {"status": rng.choice([200, 400, 404, 429, 500, 503, 422]),
+                        "body": rng.choice([b"", b"{", b"[]", b"null", {"error": None},
+                                            {"error": {"code": 503}}, {"choices": []},
+                                            {"choices": [None]}, {"error": "x"}, [1]])}
+            if kind < 0.2:
+                return {"raw": rng.choice([b"", b"\xff\xfe", b'{"choices": "no"}',
+                                           b'{"choices": [{"message": "text"}]}'])}
+            message = {"role": rng.choice(["assistant", None, "user"])}
+            if rng.random() < 0.7:
+                message["content"] = rng.choice([None, "", "answer", ["part"], {"x": 1}, 3,
+                                                 "<think>hm</think>ok", "\udcff"])
+            if rng.random() < 0.6:
+                message["tool_calls"] = rng.choice([
+                    [random_call() for _ in range(rng.randint(0, 3))], {}, "calls", None])
+            for key in ("reasoning_content", "reasoning"):
+                if rng.random() < 0.2:
+                    message[key] = rng.choice(["why", None, 5, ["a"]])
+            return {"message": message, "finish_reason": rng.choice(
+                ["stop", "tool_calls", "length", None, "content_filter", 7])}
+
+        crashes = []
+        for round_ in range(300):
+            script = [random_step() for _ in range(rng.randint(1, 6))]
+            with CannedServer(script) as server:
+                session = agent.new_session(config(server.url, "--max-turns", "3"))
+                with contextlib.redirect_stderr(io.StringIO()):
+                    for question in ("first", "second"):
+                        try:
+                            agent.run_turn(session, question)
+                        except agent.Fatal:
+                            pass
+                        except Exception as e:   # anything else is a bug worth reporting
+                            crashes.append((round_, repr(e), script))
+                try:
+                    assert_valid(self, session.messages)
+                    json.dumps(session.messages).encode()
+                except AssertionError as e:
+                    crashes.append((round_, "invalid transcript: %s" % e, script))
+        self.assertEqual(crashes[:3], [])
+
+if __name__ == "__main__":
+    unittest.main(verbosity=1)
