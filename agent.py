@@ -1170,7 +1170,8 @@ def run_turn(session, question) -> str:
                 name = call["function"]["name"]
                 key = (name, call["function"]["arguments"], str(arguments))
                 asked[key] += 1
-                if reply.finish_reason == "length":   # subtle: the last call may be cut short
+                if reply.finish_reason == "length" and call is calls[-1]:
+                    # subtle: the server may have patched up a call the cap cut in half
                     result = CUT_OFF.format(session.cfg.max_tokens)
                 elif asked[key] > REPEAT_LIMIT:
                     result = REPEATED.format(name, REPEAT_LIMIT)
@@ -1189,8 +1190,8 @@ def run_turn(session, question) -> str:
         raise
 
 
-CUT_OFF = ("error: cut_off: your reply reached the token cap ({}) before this call was complete, "
-           "so it was not run. Make the call again with shorter arguments.")
+CUT_OFF = ("error: cut_off: your reply reached the token cap ({} tokens) at or before the end of "
+           "this call, so it was not run. Make the call again, and write less before it.")
 REPEATED = ("error: repeated_call: {} was already called {} times this turn with exactly these "
             "arguments and the result will not change. Use the earlier result, try something "
             "different, or answer.")

@@ -781,12 +781,14 @@ class NormaliseTest(unittest.TestCase):
             self.assertNotIn(thought, json.dumps(run.bodies))
 
     def test_reply_cut_by_the_token_cap_is_not_executed(self):
-        """finish_reason 'length' with tool calls: none of them runs; the model is told why."""
-        run = run_agent([calls(tool_call("read_file", arguments='{"path": "hel'),
+        """finish_reason 'length': the last call, perhaps cut short, is not run; earlier ones are."""
+        run = run_agent([calls(tool_call("list_dir", path="src"),
+                               tool_call("read_file", arguments='{"path": "hel"}'),
                                finish_reason="length"), reply("sorry")])
-        result = run.bodies[1]["messages"][-1]["content"]
-        self.assertTrue(result.startswith("error: cut_off:"), result)
-        self.assertNotIn("⚙", run.stderr)
+        first, last = (m["content"] for m in run.bodies[1]["messages"][-2:])
+        self.assertIn("app.py", first)
+        self.assertTrue(last.startswith("error: cut_off:"), last)
+        self.assertNotIn("⚙ read_file", run.stderr)
         assert_valid(self, run.session.messages)
 
     def test_what_is_sent_back_is_strict(self):
