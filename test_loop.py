@@ -182,6 +182,12 @@ def run_agent(script, question="what does hello.py do?", *flags, **environ):
         return Run(answer, server.bodies(), session, err.getvalue())
 
 
+def run_turn_quietly(session, question):
+    """run_turn with its stderr swallowed."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        return agent.run_turn(session, question)
+
+
 def cli(args, stdin=b"", env=None, url="http://127.0.0.1:9/v1", timeout=30):
     """Run agent.py as a user would; returns (exit code, stdout, stderr)."""
     clean = {k: v for k, v in os.environ.items()
@@ -678,6 +684,21 @@ class TransportTest(unittest.TestCase):
         self.assertIn("no server is listening at " + url, str(caught.exception))
         self.assertIn("llama-server", str(caught.exception))
 
+    def test_a_server_that_goes_away_is_retried(self):
+        """Refused at first contact means no server; refused later is retried, then reported."""
+        server = CannedServer([reply("first")]).__enter__()
+        session = agent.new_session(config(server.url))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(agent.run_turn(session, "q"), "first")
+            server.__exit__()
+            with self.assertRaises(agent.Fatal) as caught:
+                agent.run_turn(session, "q2")
+        self.assertIn("no server is listening", str(caught.exception))
+        self.assertIn("(gave up after 4 attempts)", str(caught.exception))
+        self.assertEqual(err.getvalue().count("retrying"), 3)
+        assert_valid(self, session.messages)
+
     def test_max_tokens_moves_to_max_completion_tokens(self):
         """A server that refuses max_tokens is asked again with max_completion_tokens, for good."""
         refusal = {"error": {"message": "Unsupported parameter: 'max_tokens' is not supported "
@@ -696,6 +717,9 @@ class TransportTest(unittest.TestCase):
 
     def test_api_key_is_sent_but_never_shown(self):
         """The key goes in the Authorization header only; an echo of it is blanked out."""
+        with CannedServer([reply("ok")]) as server:
+            run_turn_quietly(agent.new_session(config(server.url)), "q")
+            self.assertNotIn("Authorization", server.requests[0]["headers"])
         key = "sk-test-very-secret"
         with CannedServer([{"status": 401, "body": {"error": "bad key " + key}}]) as server:
             session = agent.new_session(config(server.url, LLM_API_KEY=key))
@@ -781,7 +805,7 @@ class NormaliseTest(unittest.TestCase):
             self.assertNotIn(thought, json.dumps(run.bodies))
 
     def test_reply_cut_by_the_token_cap_is_not_executed(self):
-        """finish_reason 'length': the last call, perhaps cut short, is not run; earlier ones are."""
+        """finish_reason 'length': the last call, maybe cut short, is not run; earlier ones are."""
         run = run_agent([calls(tool_call("list_dir", path="src"),
                                tool_call("read_file", arguments='{"path": "hel"}'),
                                finish_reason="length"), reply("sorry")])
