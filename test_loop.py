@@ -1124,9 +1124,10 @@ class FuzzTest(unittest.TestCase):
                 ["stop", "tool_calls", "length", None, "content_filter", 7])}
 
         crashes = []
-        for round_ in range(300):
-            script = [random_step() for _ in range(rng.randint(1, 6))]
-            with CannedServer(script) as server:
+        with CannedServer([]) as server, unittest.mock.patch.object(agent, "RETRY_BASE", 0.001):
+            for round_ in range(300):
+                script = [random_step() for _ in range(rng.randint(1, 6))]
+                server.script = collections.deque(script)
                 session = agent.new_session(config(server.url, "--max-turns", "3"))
                 with contextlib.redirect_stderr(io.StringIO()):
                     for question in ("first", "second"):
