@@ -1024,8 +1024,9 @@ def edit_file(cfg, path, old, new):
     after = before[:at] + new + before[at + len(old):]
     first = before.count("\n", 0, at) + 1
     last = first + new.count("\n")
-    return change(cfg.root, path, full, before, after, f"edited {path}; lines {first}-{last} "
-                  f"now read:\n" + numbered(after, first - 2, last + 2))
+    lines = f"line {first} now reads" if first == last else f"lines {first}-{last} now read"
+    return change(cfg.root, path, full, before, after,
+                  f"edited {path}; {lines}:\n" + numbered(after, first - 2, last + 2))
 
 
 def no_single_match(path, text, old, count) -> ToolError:
@@ -1838,7 +1839,7 @@ def run_call(session, name, arguments) -> str:
 
 def one_line(text, width) -> str:
     """text on one line, cut to width characters."""
-    text = " ".join(text.split())
+    text = re.sub(r"\s*\n\s*", " ", text)
     return text if len(text) <= width else text[:width - 1] + "…"
 
 

@@ -543,7 +543,7 @@ class ChangingTest(unittest.TestCase):
         """edit_file changes the one match and shows the edited lines, numbered."""
         path = self.path("a.py", b"def f(x):\n    return x + 1\n\nprint(f(1))\n")
         result = execute("edit_file", path=path, old="x + 1", new="x + 2")
-        self.assertEqual(result, "edited %s; lines 2-2 now read:\n     1\tdef f(x):\n"
+        self.assertEqual(result, "edited %s; line 2 now reads:\n     1\tdef f(x):\n"
                          "     2\t    return x + 2\n     3\t\n     4\tprint(f(1))" % path)
         self.assertEqual(self.read("a.py"), b"def f(x):\n    return x + 2\n\nprint(f(1))\n")
 
