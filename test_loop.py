@@ -1407,6 +1407,24 @@ class ReplTest(unittest.TestCase):
             self.assertEqual(term.close(), 0)
             self.assertEqual([len(b["messages"]) for b in server.bodies()], [2, 4, 2])
 
+    def test_bang_runs_a_command_whose_output_the_model_then_sees(self):
+        """!COMMAND runs at once, without approval; its output goes with the next question."""
+        with CannedServer([reply("seen")]) as server:
+            term = Terminal(server.url)
+            term.expect("› ")
+            term.type("!echo from-the-user; exit 4\n")
+            term.expect("exit code 4\r\nfrom-the-user")
+            term.expect("› ")
+            term.type("what did it say?\n")
+            term.expect("seen")
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+            question = server.bodies()[0]["messages"][1]["content"]
+        self.assertNotIn(b"Allow", term.shown)
+        self.assertEqual(question, "[I ran `echo from-the-user; exit 4` myself: exit code 4\n"
+                         "from-the-user\n]\n\nwhat did it say?")
+
     def test_ctrl_c_stops_a_request_and_keeps_the_session(self):
         """Ctrl+C during a request returns to the prompt; the next question still works."""
         with CannedServer([{"delay": 5, **reply("too late")}, reply("next answer")]) as server:
