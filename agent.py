@@ -44,13 +44,15 @@ Glossary:
     tool call   {"id", "type": "function", "function": {"name", "arguments": JSON text}} in
                 an assistant message, answered by one {"role": "tool", "tool_call_id", "content"}
 
-Left out on purpose: tools that change files or run commands, streaming, and parallel tool calls.
+Left out on purpose, for now: streaming replies, and running tool calls in parallel.
 """
 import argparse
 import collections
+import ctypes
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import http.client
 import ipaddress
 import itertools
@@ -60,6 +62,7 @@ import os
 import platform
 import random
 import re
+import select
 import shutil
 import signal
 import socket
@@ -114,6 +117,7 @@ RETRY_ATTEMPTS = 4     # requests in all for one reply before giving up
 RETRY_BASE = 0.5       # seconds before the first retry; doubles each time, plus jitter
 RETRY_MAX_WAIT = 60.0  # seconds; a server asking to wait longer is reported instead
 STDIN_CAP = 100_000    # characters of piped stdin added to the question
+STDIN_WAIT = 3         # seconds to wait for piped stdin to start, when there is a question too
 
 
 class Fatal(Exception):
@@ -952,25 +956,37 @@ def current_text(path, full) -> Optional[str]:
     return data.decode("utf-8", "surrogateescape")   # subtle: bytes not in UTF-8 survive
 
 
-def change(root, path, full, before, after, result) -> Plan:
-    """A Plan to replace the text before (None: no file) with after, shown as a diff."""
+def encoded(text) -> bytes:
+    """text as the bytes to write: UTF-8, with any bytes read from the file given back."""
     try:
-        after.encode("utf-8", "surrogateescape")
+        return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError as e:
         raise ToolError("bad_content", f"the new text holds a character that cannot be "
                         f"written as UTF-8 ({e.reason} at {e.start})") from None
-    diff = "\n".join(difflib.unified_diff(
-        (before or "").splitlines(), after.splitlines(), "/dev/null" if before is None else
-        f"a/{path}", f"b/{path}", lineterm=""))
+
+
+def change(root, path, full, before, after, result) -> Plan:
+    """A Plan to replace the text before (None: no file) with after, shown as a diff."""
+    diff = "".join(difflib.unified_diff(
+        diff_lines(before or ""), diff_lines(after), "/dev/null" if before is None else
+        f"a/{path}", f"b/{path}")).rstrip("\n")
 
     def carry_out():
-        """Write after, unless the file changed while the user was looking at the diff."""
-        if current_text(path, full) != before:
+        """Write after, unless the path or the file changed while the user looked at the diff."""
+        if resolve(root, path) != full or current_text(path, full) != before:
             raise ToolError("changed_meanwhile", f"{path!r} changed while this change waited "
-                            f"for approval, so it was not made; read the file again")
+                            f"for approval, so it was not made; look at it again")
         write_text(full, after)
         return result
     return Plan(diff or f"(no change to {path})", carry_out)
+
+
+def diff_lines(text) -> list:
+    """text as lines for a diff, line endings kept, so a changed \\r\\n or last newline shows."""
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n\\ No newline at end of file\n"
+    return lines
 
 
 def write_text(full, text):
@@ -981,7 +997,7 @@ def write_text(full, text):
     fd, temporary = tempfile.mkstemp(dir=folder, prefix=".agent-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8", "surrogateescape"))
+            f.write(encoded(text))
         os.chmod(temporary, mode)
         os.replace(temporary, full)   # a crash leaves the old file or the new, never half
     except BaseException:
@@ -1000,12 +1016,14 @@ def numbered(text, first, last) -> str:
 
 def write_file(cfg, path, content):
     """Plan to create a text file, or replace one whole, with content."""
+    if path.endswith(("/", os.sep)):
+        raise ToolError("bad_path", f"{path!r} names a directory; give the file's path")
     full = resolve(cfg.root, path)
     before = current_text(path, full)
-    lines = content.count("\n") + (not content.endswith("\n"))
+    lines = content.count("\n") + (bool(content) and not content.endswith("\n"))
     what = "created" if before is None else "replaced"
     return change(cfg.root, path, full, before, content,
-                  f"{what} {path}: {lines} lines, {human_size(len(content.encode()))}")
+                  f"{what} {path}: {lines} lines, {human_size(len(encoded(content)))}")
 
 
 def edit_file(cfg, path, old, new):
@@ -1015,13 +1033,14 @@ def edit_file(cfg, path, old, new):
                         "create a file, use write_file)")
     full = regular_file(cfg.root, path)
     before = current_text(path, full)
-    if old not in before and "\r\n" in before and "\r\n" not in old:
-        old, new = old.replace("\n", "\r\n"), new.replace("\n", "\r\n")   # a CRLF file
+    if old not in before and "\r\n" in before:   # a CRLF file, and the model wrote \n
+        old, new = (s.replace("\r\n", "\n").replace("\n", "\r\n") for s in (old, new))
     count = before.count(old)
     if count != 1:
         raise no_single_match(path, before, old, count)
     at = before.index(old)
     after = before[:at] + new + before[at + len(old):]
+    encoded(after)
     first = before.count("\n", 0, at) + 1
     last = first + new.count("\n")
     lines = f"line {first} now reads" if first == last else f"lines {first}-{last} now read"
@@ -1051,8 +1070,8 @@ def no_single_match(path, text, old, count) -> ToolError:
 
 def run_shell(cfg, command, timeout=SHELL_TIMEOUT):
     """Plan to run a command in the workspace root, killed with all it started at timeout."""
-    if not command.strip():
-        raise ToolError("bad_argument", "command is empty")
+    if not command.strip() or "\0" in command:
+        raise ToolError("bad_argument", "command is empty or holds a NUL character")
     if not 1 <= timeout <= SHELL_TIMEOUT_MAX:
         raise ToolError("bad_argument", f"timeout must be 1 to {SHELL_TIMEOUT_MAX} seconds, "
                         f"got {timeout}; split long work into shorter commands")
@@ -1060,13 +1079,15 @@ def run_shell(cfg, command, timeout=SHELL_TIMEOUT):
 
 
 def run_command(cfg, command, timeout) -> str:
-    """Run command in a process group of its own; kill the group when it ends, times out or
-    is interrupted, so nothing it started (`sleep 100 &`) outlives it."""
+    """Run command in a process group of its own, output to a file; when it ends, times out or
+    is interrupted, kill all it started, so nothing (`sleep 100 &`, a daemon) outlives it."""
+    adopt_orphans()
     with tempfile.TemporaryFile() as out:   # subtle: a pipe that nobody reads can fill and hang
         process = subprocess.Popen(
             [cfg.shell, "-c", command], cwd=cfg.root, env=cfg.shell_env or None,
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
+        born = started(process.pid)
         deadline, stopped = time.monotonic() + timeout, ""
         try:
             while process.poll() is None:
@@ -1081,7 +1102,12 @@ def run_command(cfg, command, timeout) -> str:
                 except subprocess.TimeoutExpired:
                     pass
         finally:
-            kill_group(process)
+            kill_group(process.pid, process.poll)
+            process.wait()
+            for _ in range(3):   # strays may leave strays of their own
+                for pid, group in strays(born):
+                    kill_group(group, lambda pid=pid: reap(pid))
+                    reap(pid)
         code = process.returncode
         status = (f"{stopped}; the command and all it started were killed" if stopped else
                   f"killed by signal {-code}" if code < 0 else f"exit code {code}")
@@ -1089,22 +1115,68 @@ def run_command(cfg, command, timeout) -> str:
     return f"{status}\n{output}" if output.strip() else f"{status} (no output)"
 
 
-def kill_group(process):
-    """Stop every process in the command's group: politely, then for good after a second."""
-    for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0)):
+def kill_group(group, reap_ours):
+    """Stop a process group: SIGTERM, a second's grace, then SIGKILL. reap_ours() collects
+    the ones that were our children, so they stop counting as alive."""
+    for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.5)):
         try:
-            os.killpg(process.pid, sig)
+            os.killpg(group, sig)
         except (ProcessLookupError, PermissionError):
-            break   # the group is gone
+            return   # the group is gone
         end = time.monotonic() + grace
         while time.monotonic() < end:
-            process.poll()
+            reap_ours()
             try:
-                os.killpg(process.pid, 0)
+                os.killpg(group, 0)
             except (ProcessLookupError, PermissionError):
-                break
+                return
             time.sleep(0.02)
-    process.wait()
+
+
+# A command can put a process out of its group's reach (setsid, `set -m`, a daemon that forks
+# twice). On Linux this process asks to become the "subreaper" of all it starts: such a process,
+# once its parent dies, is re-parented here instead of to init, and can still be found.
+
+def adopt_orphans():
+    """Ask Linux to re-parent the orphans of our commands to us (PR_SET_CHILD_SUBREAPER)."""
+    try:
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass   # not Linux: the process group is all there is to kill
+
+
+def stat_fields(pid) -> list:
+    """/proc/PID/stat after the command name: state, ppid, pgrp, ... ([] if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def started(pid) -> int:
+    """When a process started, in clock ticks since boot; 0 if the system does not say."""
+    fields = stat_fields(pid)
+    return int(fields[19]) if len(fields) > 19 else 0
+
+
+def strays(born) -> list:
+    """(pid, group) of the processes adopted here, started since born, outside our own group."""
+    me, ours, found = os.getpid(), os.getpgrp(), []
+    for entry in os.listdir("/proc") if born and os.path.isdir("/proc") else []:
+        fields = stat_fields(entry) if entry.isdigit() else []
+        if len(fields) > 19 and int(fields[1]) == me and int(fields[2]) != ours and \
+                int(fields[19]) >= born:
+            found.append((int(entry), int(fields[2])))
+    return found
+
+
+def reap(pid):
+    """Collect an adopted child's exit status, if it has one, so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
 
 
 def head_and_tail(out) -> str:
@@ -1294,25 +1366,35 @@ def ask_permission(session, name, args, preview):
                 session.say("")
                 return False, REFUSED.format(name, "")
             answer = answer.strip()
-            if answer.lower() in ("y", "yes"):
+            first = re.sub(r"\W+$", "", answer.split()[0].lower()) if answer.split() else ""
+            if first in ("y", "yes"):
                 return True, ""
-            if answer.lower() in ("a", "always"):
+            if first in ("a", "always"):
                 session.always.add(name)
                 return True, ""
             if answer == "?":
-                session.say(json.dumps(args, indent=2, ensure_ascii=False), DIM)
+                session.say(printable(json.dumps(args, indent=2, ensure_ascii=False)), DIM)
             elif answer:                         # n, no, or any other words: a refusal
                 reason = re.sub(r"^(n|no)\b[\s,:.-]*", "", answer, flags=re.I)
                 why = f" Their reason: {reason.rstrip('.')}." if reason else ""
                 return False, REFUSED.format(name, why)
 
 
+def printable(text) -> str:
+    """text with control characters made visible (\\r, \\x1b), tabs and newlines kept: what the
+    model writes must not move the cursor or recolour the screen, least of all in a preview."""
+    return CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 def open_terminal():
     """Where to read the user's answer: stdin if it is a terminal, else /dev/tty, else None."""
     if sys.stdin is not None and sys.stdin.isatty():
-        return os.fdopen(os.dup(sys.stdin.fileno()), "r")
+        return os.fdopen(os.dup(sys.stdin.fileno()), "r", errors="replace")
     try:
-        return open("/dev/tty", "r")   # stdin is a pipe, but a user is at the terminal
+        return open("/dev/tty", "r", errors="replace")   # stdin is a pipe; a user is here
     except OSError:
         return None                    # CI, cron, a subprocess: nobody to ask
 
@@ -1323,7 +1405,7 @@ def show_preview(session, preview, lines=60):
     for row in rows[:lines]:
         style = (BOLD if row.startswith(("+++", "---", "$ ")) else GREEN if row.startswith("+")
                  else RED if row.startswith("-") else CYAN if row.startswith("@@") else "")
-        session.say("  " + row, style)
+        session.say("  " + printable(row), style)
     if len(rows) > lines:
         session.say(f"  … {len(rows) - lines} more lines ([?] shows the arguments)", DIM)
 
@@ -1365,6 +1447,7 @@ def fetch(cfg, method, path, body=None, timeout=None):
             return e.code, e.headers, e.read()
 
 
+@functools.lru_cache(maxsize=8)   # subtle: building one sets up TLS, milliseconds each time
 def opener(url):
     """urllib's opener; a server on this machine is never reached through a proxy."""
     host = urllib.parse.urlsplit(url).hostname or ""
@@ -1410,10 +1493,10 @@ def failure(cfg, status, message, data) -> Fatal:
     error = error if isinstance(error, dict) else {}
     if ("exceed_context_size" in low + str(error.get("type")) or "context_length_exceeded" in
             low + str(error.get("code")) or re.search(r"context (length|size|window)", low)):
-        n_ctx = error.get("n_ctx") or re.search(r"context length is (\d+)", low)
-        n_ctx = int(n_ctx if isinstance(n_ctx, int) else n_ctx.group(1) if n_ctx else 0)
-        sizes = f" ({error['n_prompt_tokens']} tokens > {n_ctx})" if \
-            error.get("n_prompt_tokens") and n_ctx else ""
+        said = re.search(r"context (?:length is|size \() ?(\d+)", low)
+        n_ctx = whole(error.get("n_ctx")) or whole(said and said.group(1))
+        sizes = f" ({whole(error.get('n_prompt_tokens'))} tokens > {n_ctx})" if \
+            whole(error.get("n_prompt_tokens")) and n_ctx else ""
         return ContextFull(f"the conversation no longer fits the model's context{sizes}: start "
                            f"over (/clear), ask something narrower, or give the server a "
                            f"larger context (llama-server -c). Server said: {message}", n_ctx)
@@ -1430,6 +1513,11 @@ def failure(cfg, status, message, data) -> Fatal:
         return Fatal(f"the server has no such endpoint or model (HTTP 404: {message}); check "
                      f"LLM_URL ({cfg.url}, usually ending in /v1) and LLM_MODEL ({cfg.model!r})")
     return Fatal(f"the server answered HTTP {status}: {message}")
+
+
+def whole(value) -> int:
+    """value as a whole number if it is one (5, "5"), else 0: servers' numbers are not trusted."""
+    return int(value) if isinstance(value, (int, str)) and str(value).isdigit() else 0
 
 
 def permanent(message) -> bool:
@@ -1491,7 +1579,7 @@ def exchange(session, body) -> dict:
         raise Retry(f"cannot reach {cfg.url}: {reason}") from None
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     message = error_message(data)
     if status >= 400 or message is not None:
@@ -1544,7 +1632,7 @@ def pick_model(session) -> str:
             if models and isinstance(models[0], dict) and models[0].get("id"):
                 cfg.model = str(models[0]["id"])
         except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError,
-                AttributeError):
+                AttributeError, KeyError, TypeError, IndexError, RecursionError):
             pass   # the chat request will report the trouble properly
     return cfg.model
 
@@ -1571,8 +1659,9 @@ def text_of(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return "" if content is None else json.dumps(content)
+        return "".join(text_of(p.get("text")) if isinstance(p, dict) else text_of(p)
+                       for p in content)
+    return "" if content is None else json.dumps(content)[:10_000]
 
 
 def normalise(session, data) -> Reply:
@@ -1614,9 +1703,9 @@ def json_arguments(arguments) -> str:
     # transcript must hold valid JSON: servers parse it again on every later request.
     try:
         value = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+        return json.dumps(value) if isinstance(value, dict) else "{}"
+    except (ValueError, RecursionError):   # broken, or nested deeper than Python will go
         return "{}"
-    return json.dumps(value) if isinstance(value, dict) else "{}"
 
 
 def call_id(session, given) -> str:
@@ -1657,9 +1746,9 @@ def server_context(session) -> int:
         status, _, raw = fetch(cfg, "GET", "/props", timeout=min(cfg.timeout, 10))
         props = json.loads(raw) if status == 200 else {}
         settings = props.get("default_generation_settings") or {}
-        return int(settings.get("n_ctx") or props.get("n_ctx") or 0)
+        return whole(settings.get("n_ctx")) or whole(props.get("n_ctx"))
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError,
-            AttributeError, TypeError):
+            AttributeError, TypeError, RecursionError):
         return 0
 
 
@@ -1667,8 +1756,10 @@ def context_used(session) -> int:
     """Tokens the next request will take: the server's last count, plus a guess for the rest."""
     counted, upto = session.last_prompt   # prompt tokens the server reported, messages then
     if counted:
-        return counted + len(json.dumps(session.messages[upto:])) // CHARS_PER_TOKEN
-    return len(json.dumps([session.messages, session.tools])) // CHARS_PER_TOKEN
+        new = session.messages[upto:]
+        return counted + len(json.dumps(new, ensure_ascii=False)) // CHARS_PER_TOKEN
+    everything = [session.messages, session.tools]
+    return len(json.dumps(everything, ensure_ascii=False)) // CHARS_PER_TOKEN
 
 
 def make_room(session):
@@ -1697,8 +1788,9 @@ def compact(session, why) -> bool:
     except Fatal as e:
         session.say(f"  (could not compact: {e}; the conversation is unchanged)", YELLOW)
         return False
-    if not summary.strip() or len(summary) >= len(json.dumps(older)):
-        session.say("  (the summary came out no shorter; the conversation is unchanged)", YELLOW)
+    if not summary.strip() or len(summary) >= len(json.dumps(older, ensure_ascii=False)):
+        session.say(f"  (the summary came out {'no shorter' if summary.strip() else 'empty'}; "
+                    f"the conversation is unchanged)", YELLOW)
         return False
     messages[:] = ([{"role": "system", "content": session.system + SUMMARY_HEADER + summary},
                     messages[request]] + messages[group:])
@@ -1765,7 +1857,7 @@ def ask(session, tool_choice=None) -> Reply:
     if isinstance(usage.get("prompt_tokens"), int):
         session.last_prompt = (usage["prompt_tokens"], sent)
     if reply.reasoning:
-        session.say(reply.reasoning, DIM)
+        session.say(printable(reply.reasoning), DIM)
     return reply
 
 
@@ -1786,7 +1878,7 @@ def run_turn(session, question) -> str:
                                 f"--max-tokens)", YELLOW)
                 return reply.message["content"]
             if reply.message["content"]:
-                session.say(reply.message["content"])   # the model thinking aloud
+                session.say(printable(reply.message["content"]))   # thinking aloud
             for call, arguments in zip(calls, reply.arguments):
                 name = call["function"]["name"]
                 key = (session.changes, name, call["function"]["arguments"], str(arguments))
@@ -1806,7 +1898,7 @@ def run_turn(session, question) -> str:
     except KeyboardInterrupt:
         settle(messages, "[interrupted by the user]")
         raise
-    except Fatal as e:
+    except Exception as e:   # Fatal, or a fault of this program: the transcript stays valid
         settle(messages, f"[no reply: {e}]")
         raise
 
@@ -1838,8 +1930,8 @@ def run_call(session, name, arguments) -> str:
 
 
 def one_line(text, width) -> str:
-    """text on one line, cut to width characters."""
-    text = re.sub(r"\s*\n\s*", " ", text)
+    """text on one line, cut to width characters, control characters made visible."""
+    text = printable(re.sub(r"\s*\n\s*", " ", text))
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
@@ -1910,13 +2002,18 @@ def waiting(session, transport):
     return wrapped
 
 
-def read_stdin() -> str:
-    """What came in on a pipe, decoded whatever its encoding, cut to STDIN_CAP characters."""
-    text = sys.stdin.buffer.read().decode("utf-8", "replace")
-    if len(text) > STDIN_CAP:
-        print(f"agent: stdin cut to {STDIN_CAP:,} of {len(text):,} characters", file=sys.stderr)
-        text = cap(text, STDIN_CAP)
-    return text
+def read_stdin(wait) -> str:
+    """What comes in on a pipe, decoded whatever its encoding, cut to STDIN_CAP characters.
+    With wait set, give up on a pipe that sends nothing for that many seconds."""
+    # subtle: an IDE or a script may leave stdin open with nothing ever to come
+    if wait and not select.select([sys.stdin], [], [], wait)[0]:
+        print(f"agent: nothing came on stdin in {wait} s; going on without it", file=sys.stderr)
+        return ""
+    data = sys.stdin.buffer.read(STDIN_CAP * 4)   # enough for STDIN_CAP characters of UTF-8
+    text = data.decode("utf-8", "replace")
+    if len(text) > STDIN_CAP or len(data) == STDIN_CAP * 4:
+        print(f"agent: stdin cut to its first {STDIN_CAP:,} characters", file=sys.stderr)
+    return text[:STDIN_CAP]
 
 
 def one_shot(session, question) -> int:
@@ -1925,7 +2022,7 @@ def one_shot(session, question) -> int:
     if not answer.strip():
         print("agent: the model gave an empty answer", file=sys.stderr)
         return 1
-    print(answer)
+    print(printable(answer) if sys.stdout.isatty() else answer)
     return 0
 
 
@@ -1979,12 +2076,16 @@ def repl(session) -> int:
                 print(output, flush=True)
                 ran.append(f"[I ran `{line[1:].strip()}` myself: {cap(output, RESULT_CAP // 2)}]")
             else:
-                print(run_turn(session, "\n\n".join(ran + [line])), flush=True)
+                print(printable(run_turn(session, "\n\n".join(ran + [line]))), flush=True)
                 ran = []
         except KeyboardInterrupt:
             session.say("\n(interrupted; the conversation is kept)", YELLOW)
         except Fatal as e:
             session.say(f"agent: {e}", RED)
+        except OSError as e:   # a !command in a workspace that has vanished, say
+            session.say(f"agent: {e}", RED)
+        except Exception as e:   # a fault of this program: say so, keep the session
+            session.say(f"agent: internal error: {type(e).__name__}: {e}", RED)
     if readline:
         try:
             os.makedirs(os.path.dirname(history), exist_ok=True)
@@ -2087,7 +2188,7 @@ def main(argv=None) -> int:
             return 1 if result.startswith("error:") else 0
         question = cfg.question.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         piped = sys.stdin is not None and not sys.stdin.isatty()
-        stdin = read_stdin() if piped else ""
+        stdin = read_stdin(wait=STDIN_WAIT if question else None) if piped else ""
         if stdin.strip():
             question = f"{question}\n\n<stdin>\n{stdin}\n</stdin>" if question else stdin
         session = new_session(cfg)
@@ -2106,6 +2207,10 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:   # `agent.py ... | head` closed the pipe: nothing left to say
         sys.stderr.close()
+        return 1
+    except Exception as e:   # a fault of this program, not the user's: one line all the same
+        print(f"agent: internal error: {type(e).__name__}: {e} (a bug in agent.py)",
+              file=sys.stderr)
         return 1
 
 

@@ -568,6 +568,57 @@ class ChangingTest(unittest.TestCase):
             "edited"))
         self.assertEqual(self.read("w.txt"), b"caf\xe9\r\n1\r\n2\r\n")
 
+    def test_a_path_swapped_for_a_link_before_the_yes_is_not_written(self):
+        """If a folder becomes a link out while the user decides, the write does not happen."""
+        os.mkdir(os.path.join(self.dir, "swap"))
+
+        def swap_then_allow(name, args, preview):
+            os.rename(os.path.join(self.dir, "swap"), os.path.join(self.dir, "swapped"))
+            os.symlink(OUTSIDE, os.path.join(self.dir, "swap"))
+            return True, ""
+        result = agent.execute(CFG, "write_file", json.dumps(
+            {"path": self.path("swap/planted.txt"), "content": "x"}), permit=swap_then_allow)
+        self.assertTrue(result.startswith("error: outside_root:"), result)
+        self.assertFalse(os.path.exists(os.path.join(OUTSIDE, "planted.txt")))
+
+    def test_the_preview_shows_every_byte_that_changes(self):
+        """CRLF to LF and a dropped last newline show in the diff; nothing is '(no change)'."""
+        previews = []
+
+        def look(name, args, preview):
+            previews.append(preview)
+            return False, "just looking"
+        path = self.path("crlf.txt", b"a\r\nb\r\n")
+        agent.execute(CFG, "write_file", json.dumps({"path": path, "content": "a\nb"}),
+                      permit=look)
+        self.assertIn("-a\r\n", previews[0])
+        self.assertIn("+b\n\\ No newline at end of file", previews[0])
+        self.assertEqual(self.read("crlf.txt"), b"a\r\nb\r\n")
+
+    def test_bad_writes_are_named(self):
+        """A folder path, a lone surrogate, an empty file and a NUL in a command each get a
+        clear result, not a crash."""
+        self.assertTrue(execute("write_file", path=self.path("dir/"), content="x").startswith(
+            "error: bad_path:"))
+        self.assertTrue(execute("write_file", path=self.path("s.txt"), content="\ud83d")
+                        .startswith("error: bad_content:"))
+        self.assertEqual(execute("write_file", path=self.path("empty.txt"), content=""),
+                         "created %s: 0 lines, 0 B" % self.path("empty.txt"))
+        self.assertTrue(execute("run_shell", command="echo \0").startswith("error: bad_argument"))
+        crlf = self.path("c.txt", b"a\r\nb\r\nc\r\n")
+        execute("edit_file", path=crlf, old="a\nb", new="A\r\nB")
+        self.assertEqual(self.read("c.txt"), b"A\r\nB\r\nc\r\n")
+
+    def test_processes_that_leave_the_group_are_killed_too(self):
+        """setsid and job control take a process out of the group; it is still killed."""
+        naptime = "%.4f" % (300 + random.random())
+        for command in ("setsid sleep %s &" % naptime, "set -m; sleep %s & echo" % naptime):
+            with self.subTest(command=command):
+                self.assertTrue(execute("run_shell", command=command).startswith("exit code 0"))
+                survivors = subprocess.run(["pgrep", "-f", "sleep " + naptime],
+                                           capture_output=True)
+                self.assertEqual(survivors.stdout, b"")
+
     def test_shell_timeout_kills_what_it_started(self):
         """A command that times out is killed with all it started, `sleep &` included."""
         naptime = "%.4f" % (200 + random.random())
@@ -749,6 +800,15 @@ class ApprovalTest(unittest.TestCase):
         for name in ("approved.txt", "a.txt"):
             if os.path.exists(os.path.join(WORK, name)):
                 os.unlink(os.path.join(WORK, name))
+
+    def test_control_characters_cannot_fake_a_preview(self):
+        """A command hiding itself with \\r and escape codes is shown with them visible."""
+        sneaky = "touch PWNED #\r\x1b[2K  $ ls -la"
+        with CannedServer([calls(tool_call("run_shell", command=sneaky)), reply("ok")]) as s:
+            _, _, err = cli(["q"], url=s.url)
+        self.assertIn("touch PWNED #\\r\\x1b[2K  $ ls -la", err)
+        self.assertNotIn("\x1b", err)
+        self.assertFalse(os.path.exists(os.path.join(WORK, "PWNED")))
 
     def test_without_a_terminal_changes_are_denied(self):
         """With no terminal to ask on, a change is refused and the model is told why."""
@@ -1032,6 +1092,21 @@ class NormaliseTest(unittest.TestCase):
         self.assertIn("Looking in src.", run.stderr)
         self.assertEqual(run.answer, "")
 
+    def test_hostile_shapes_are_survived(self):
+        """Null text parts, arguments nested past Python's limit, a string n_ctx: no crash."""
+        deep = "[" * 100_000 + "]" * 100_000
+        run = run_agent([{"message": {"role": "assistant", "content": [
+                            {"type": "text", "text": None}, {"type": "text", "text": 5}],
+                            "tool_calls": [tool_call("list_dir", arguments=deep, id="d")]},
+                          "finish_reason": "tool_calls"},
+                         {"raw": deep.encode()},
+                         {"status": 400, "body": {"error": {"type": "exceed_context_size_error",
+                                                            "n_ctx": "4096", "message": "full"}}}])
+        self.assertIsInstance(run.answer, agent.ContextFull)
+        self.assertEqual(run.answer.n_ctx, 4096)
+        self.assertTrue(run.session.messages[3]["content"].startswith("error: invalid_json"))
+        assert_valid(self, run.session.messages)
+
     def test_reasoning_is_shown_but_not_sent_back(self):
         """reasoning_content and reasoning reach stderr and never the transcript."""
         run = run_agent([calls(tool_call("list_dir"), reasoning_content="thinking A"),
@@ -1153,6 +1228,13 @@ class ContextTest(unittest.TestCase):
         self.assertIn("no longer fits the model's context (6000 tokens > 5000)",
                       str(caught.exception))
         assert_valid(self, session.messages)
+
+    def test_text_that_is_not_ascii_is_not_overcounted(self):
+        """The size guess counts characters, not the \\u escapes JSON would write for them."""
+        session = agent.new_session(CFG)
+        base = agent.context_used(session)
+        session.messages.append({"role": "user", "content": "é" * 3000})
+        self.assertLess(agent.context_used(session) - base, 1100)
 
     def test_the_limit_comes_from_the_server_or_the_default(self):
         """AGENT_CONTEXT wins; else llama-server's /props n_ctx; else CONTEXT."""
@@ -1293,6 +1375,23 @@ class CommandLineTest(unittest.TestCase):
             first, second = (b["messages"][1]["content"] for b in server.bodies())
         self.assertEqual(first, "review this\n\n<stdin>\n+ added \ufffd line\n\n</stdin>")
         self.assertEqual(second, "summarise me")
+
+    def test_stdin_that_never_comes_is_not_waited_for(self):
+        """With a question given, a pipe that stays silent is given up after a while; a huge
+        one is read only up to the cap."""
+        read_end, write_end = os.pipe()
+        self.addCleanup(os.close, write_end)
+        err = io.StringIO()
+        with open(read_end, "rb", buffering=0) as silent, contextlib.redirect_stderr(err), \
+                unittest.mock.patch.object(sys, "stdin", io.TextIOWrapper(silent)):
+            self.assertEqual(agent.read_stdin(wait=0.1), "")
+        self.assertIn("nothing came on stdin in 0.1 s", err.getvalue())
+        with tempfile.TemporaryFile() as huge, contextlib.redirect_stderr(err):
+            huge.write(b"x" * 1_000_000)
+            huge.seek(0)
+            with unittest.mock.patch.object(sys, "stdin", io.TextIOWrapper(huge)):
+                self.assertEqual(len(agent.read_stdin(wait=None)), agent.STDIN_CAP)
+        self.assertIn("stdin cut to its first 100,000 characters", err.getvalue())
 
     def test_exit_codes(self):
         """1 when the model cannot be reached or refuses, 2 for usage errors, one line each."""
