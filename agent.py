@@ -19,8 +19,8 @@ Environment (a flag wins over its variable; see section 1):
     NO_COLOR        set to anything: no colour
 (OPENAI_BASE_URL, OPENAI_MODEL and OPENAI_API_KEY are read when the LLM_ ones are unset.)
 
-Contents. Every agent is five pieces: a tool-calling endpoint (10, 11), tool schemas (3), a
-sandboxed executor (4-9), an append-only transcript and stop conditions (12, 13).
+Contents. Every agent is five pieces: a tool-calling endpoint (10-12), tool schemas (3), a
+sandboxed executor (4-9), an append-only transcript and stop conditions (13, 14).
     1. Configuration
     2. The prompt
     3. Tool schemas: what the model may call
@@ -31,12 +31,13 @@ sandboxed executor (4-9), an append-only transcript and stop conditions (12, 13)
     8. The executor: every failure becomes text
     9. Approval: nothing changes until the user says yes
    10. Talking to the model: one endpoint, retried
-   11. Replies: what servers send, made strict
-   12. Context: a transcript that never overflows
-   13. The loop
-   14. The terminal
-   15. The demo: a scripted model
-   16. main()
+   11. Streaming: a reply read as it is written
+   12. Replies: what servers send, made strict
+   13. Context: a transcript that never overflows
+   14. The loop
+   15. The terminal
+   16. The demo: a scripted model
+   17. main()
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
@@ -150,6 +151,8 @@ class Config:
     context: int = 0        # context budget in tokens; 0 = what the server says, else CONTEXT
     shell: str = "/bin/sh"  # what run_shell runs commands with
     shell_env: dict = dataclasses.field(default_factory=dict)  # their environment, minus the key
+    stream: bool = True     # read replies as they are written (--no-stream, LLM_STREAM=0)
+    verbose: bool = False   # a line of token counts and seconds per round on stderr (-v)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -177,6 +180,10 @@ def parse_args(argv):
                    "asking (AGENT_YES=1)")
     p.add_argument("--read-only", action="store_true", help="offer no tool that changes "
                    "anything (AGENT_READ_ONLY=1)")
+    p.add_argument("--no-stream", action="store_true", help="wait for whole replies instead "
+                   "of streaming them (LLM_STREAM=0)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show tokens (prompt, cached, "
+                   "generated) and seconds for each round")
     p.add_argument("--demo", action="store_true", help="run a scripted model offline and exit")
     p.add_argument("--tool", nargs=2, metavar=("NAME", "JSON"), help="run one tool and exit")
     p.add_argument("--version", action="version", version=f"agent.py {VERSION}")
@@ -234,6 +241,8 @@ def load_config(argv=None, environ=None) -> Config:
         read_only=args.read_only or yes(env.get("AGENT_READ_ONLY")),
         context=number(pick(args.context, "AGENT_CONTEXT", default=0), "AGENT_CONTEXT"),
         shell=shutil.which("bash", path=env.get("PATH")) or "/bin/sh",
+        stream=not args.no_stream and (env.get("LLM_STREAM") is None or yes(env["LLM_STREAM"])),
+        verbose=args.verbose,
         shell_env={k: v for k, v in env.items()   # commands never see the API key
                    if k not in ("LLM_API_KEY", "OPENAI_API_KEY") and v != (api_key or None)},
     )
@@ -262,10 +271,13 @@ class Session:
     changes: int = 0                       # changes made so far: a repeat after one is new
     context_limit: int = 0                 # tokens the model can read; 0 = not known yet
     last_prompt: tuple = (0, 0)            # (prompt tokens the server counted, messages then)
+    stream_options: bool = True            # False once a server refuses stream_options
+    show: Optional[Callable] = None        # show(kind, text) prints a reply as it streams in
+    shown: set = dataclasses.field(default_factory=set)   # what of the last reply was shown
     token_param: str = "max_tokens"        # "max_completion_tokens" once a server insists
     answered: bool = False                 # the server has answered once: it exists
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
-    usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # totals
 
     def say(self, text, style="", end="\n"):
         """Print for the human on stderr; stdout carries only the answer."""
@@ -311,11 +323,11 @@ repeat a refused call.
 """
 READ_ONLY = "- This session is read-only: you can look, but not change files or run commands.\n"
 
-# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 13).
+# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 14).
 FINAL_REQUEST = ("[agent] Tool budget spent: {why}. Do not call tools. Answer the question now, "
                  "as well as you can from what you found, and say what is still unknown.")
 
-# What the model is asked when the conversation must shrink (section 12), and where the summary
+# What the model is asked when the conversation must shrink (section 13), and where the summary
 # goes: the end of the system message.
 SUMMARY_PROMPT = """\
 You compress the conversation of a coding agent with its user, so that the work can go on in \
@@ -331,7 +343,7 @@ SUMMARY_HEADER = "\n\n# The conversation so far, summarised to save space\n"
 # ----------------------------------------------------------------------------------------------
 # The model sees only these names, descriptions and parameter types, so each description is a
 # prompt: it says what the tool returns, its caps, and what to do next. The list is sent the
-# same, in the same order, with every request (section 10 keeps the request prefix stable).
+# same, in the same order, with every request (section 14 keeps the request prefix stable).
 
 def function(name, description, /, required=(), **properties):
     """One tool schema in the OpenAI format; properties are JSON Schema fragments.
@@ -1102,7 +1114,8 @@ def run_command(cfg, command, timeout) -> str:
                 except subprocess.TimeoutExpired:
                     pass
         finally:
-            kill_group(process.pid, process.poll)
+            kill_group(process.pid, lambda: [process.poll()] + [reap(pid) for pid, _ in
+                                                               strays(born)])
             process.wait()
             for _ in range(3):   # strays may leave strays of their own
                 for pid, group in strays(born):
@@ -1431,20 +1444,26 @@ class Retry(Exception):
         self.wait = wait   # seconds the server asked for, if it did
 
 
-def fetch(cfg, method, path, body=None, timeout=None):
-    """One HTTP exchange with the server: (status, headers, raw body). Raises on no answer."""
-    headers = {"Content-Type": "application/json", "Accept": "application/json",
-               "User-Agent": f"agent.py/{VERSION}"}
+def connect(cfg, method, path, body=None, timeout=None):
+    """Send one HTTP request; return (status, headers, the response to read and close).
+    The timeout is the longest wait for any byte, so a long streamed answer is not cut."""
+    headers = {"Content-Type": "application/json", "User-Agent": f"agent.py/{VERSION}"}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(cfg.url + path, data=data, headers=headers, method=method)
     try:
-        with opener(cfg.url).open(request, timeout=timeout or cfg.timeout) as response:
-            return response.status, response.headers, response.read()
+        response = opener(cfg.url).open(request, timeout=timeout or cfg.timeout)
+        return response.status, response.headers, response
     except urllib.error.HTTPError as e:   # 4xx and 5xx still carry the server's explanation
-        with e:
-            return e.code, e.headers, e.read()
+        return e.code, e.headers, e
+
+
+def fetch(cfg, method, path, body=None, timeout=None):
+    """One whole HTTP exchange: (status, headers, raw body). Raises if there is no answer."""
+    status, headers, response = connect(cfg, method, path, body, timeout)
+    with response:
+        return status, headers, response.read()
 
 
 @functools.lru_cache(maxsize=8)   # subtle: building one sets up TLS, milliseconds each time
@@ -1478,7 +1497,7 @@ def error_message(data) -> Optional[str]:
 
 
 class ContextFull(Fatal):
-    """The server says the request does not fit the model's context (section 12 compacts)."""
+    """The server says the request does not fit the model's context (section 13 compacts)."""
 
     def __init__(self, message, n_ctx=0):
         """n_ctx: the context size in tokens, if the server said."""
@@ -1566,36 +1585,22 @@ def exchange(session, body) -> dict:
     """One POST, its outcome sorted: the reply, a Retry, or a Fatal with the server's words."""
     cfg = session.cfg
     try:
-        status, headers, raw = fetch(cfg, "POST", "/chat/completions", body)
+        status, headers, response = connect(cfg, "POST", "/chat/completions", body)
+        with response:   # closed however this ends: Ctrl+C mid-stream stops the server too
+            if status == 200 and "event-stream" in headers.get("Content-Type", ""):
+                return read_stream(session, response)
+            raw = response.read()
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, (socket.timeout, TimeoutError)):
-            raise Retry(f"no answer within {cfg.timeout:g} s (LLM_TIMEOUT)") from None
-        if isinstance(reason, ConnectionRefusedError):
-            problem = (f"no server is listening at {cfg.url}: start one (llama-server -m "
-                       f"MODEL.gguf --jinja) or set LLM_URL")
-            # at first contact that means no server; later, perhaps one restarting
-            raise (Retry(problem) if session.answered else Fatal(problem)) from None
-        raise Retry(f"cannot reach {cfg.url}: {reason}") from None
+        raise unreachable(session, e) from None
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
         data = None
     message = error_message(data)
     if status >= 400 or message is not None:
-        message = redact(cfg, message or raw.decode("utf-8", "replace").strip()[:300] or
-                         http.client.responses.get(status, "error"))
-        error = data.get("error") if isinstance(data, dict) else None
-        code = error.get("code") if isinstance(error, dict) else None
-        if status < 400 and isinstance(code, int) and code >= 400:
-            status = code   # an error inside an HTTP 200 carries its real status here
-        if status < 400:
-            status = 500    # an error without a status: treat it as the server's fault
-        if unsupported_max_tokens(session, body, message):
+        if drop_unsupported(session, body, message or ""):
             return exchange(session, body)
-        if (status in RETRY_STATUS or status >= 500) and not permanent(message):
-            raise Retry(f"HTTP {status}: {message}", retry_wait(headers))
-        raise failure(cfg, status, message, data)
+        raise server_error(cfg, status, headers, data, raw, message)
     if not isinstance(data, dict):
         raise Retry(f"the reply is not JSON: {raw[:120]!r}")
     choices = data.get("choices")
@@ -1604,14 +1609,45 @@ def exchange(session, body) -> dict:
     return data
 
 
-def unsupported_max_tokens(session, body, message) -> bool:
-    """If the server refuses max_tokens, move the cap to max_completion_tokens, once."""
+def unreachable(session, e) -> Exception:
+    """The exception for a request that got no answer: a timeout, no server, a broken line."""
+    cfg, reason = session.cfg, getattr(e, "reason", e)
+    if isinstance(reason, (socket.timeout, TimeoutError)):
+        return Retry(f"no answer for {cfg.timeout:g} s (LLM_TIMEOUT)")
+    if isinstance(reason, ConnectionRefusedError):
+        problem = (f"no server is listening at {cfg.url}: start one (llama-server -m "
+                   f"MODEL.gguf --jinja) or set LLM_URL")
+        # at first contact that means no server; later, perhaps one restarting
+        return Retry(problem) if session.answered else Fatal(problem)
+    return Retry(f"cannot reach {cfg.url}: {reason}")
+
+
+def server_error(cfg, status, headers, data, raw, message) -> Exception:
+    """The exception for an error the server sent: a Retry if it may pass, else a Fatal."""
+    message = redact(cfg, message or raw.decode("utf-8", "replace").strip()[:300] or
+                     http.client.responses.get(status, "error"))
+    error = data.get("error") if isinstance(data, dict) else None
+    code = whole(error.get("code")) if isinstance(error, dict) else 0
+    if status < 400:   # an error inside an HTTP 200 (or a stream) carries its status here,
+        status = code if code >= 400 else 500   # or none: then call it the server's fault
+    if (status in RETRY_STATUS or status >= 500) and not permanent(message):
+        return Retry(f"HTTP {status}: {message}", retry_wait(headers))
+    return failure(cfg, status, message, data)
+
+
+def drop_unsupported(session, body, message) -> bool:
+    """If the server refuses max_tokens or stream_options, adapt the body for good: True."""
+    low = message.lower()
     if "max_tokens" in body and re.search(r"max_tokens.*(unsupported|not supported)|"
-                                          r"(unsupported|not supported).*max_tokens",
-                                          message.lower()):
+                                          r"(unsupported|not supported).*max_tokens", low):
         body["max_completion_tokens"] = body.pop("max_tokens")
         session.token_param = "max_completion_tokens"
-        session.say("  server wants max_completion_tokens instead of max_tokens; switched", DIM)
+        session.say("  (the server wants max_completion_tokens, not max_tokens; switched)", DIM)
+        return True
+    if "stream_options" in body and "stream_options" in low:
+        del body["stream_options"]
+        session.stream_options = False
+        session.say("  (the server refuses stream_options; going on without usage counts)", DIM)
         return True
     return False
 
@@ -1638,7 +1674,114 @@ def pick_model(session) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Replies: what servers send, made strict
+# 11. Streaming: a reply read as it is written
+# ----------------------------------------------------------------------------------------------
+# With "stream": true the server sends the reply as server-sent events: lines "data: {chunk}",
+# a blank line after each event, and "data: [DONE]" at the end. Each chunk carries a delta: a
+# few characters of text, of reasoning, or a fragment of a tool call, keyed by its index (the
+# id and name in the first fragment, the arguments in pieces). Text is shown as it arrives;
+# the fragments are put back together into the whole reply that a non-streaming server would
+# have sent, and that reply goes on through the same normalise() as any other. A stream that
+# ends before [DONE] or a finish_reason is treated as a failed request, never half-used.
+
+def sse_events(response):
+    """Yield (event, data) for each server-sent event, as soon as its bytes arrive."""
+    pending, event, data = b"", "message", []
+    while True:
+        chunk = response.read1(65536)    # what has arrived, without waiting for a full buffer
+        pending += chunk
+        if chunk:   # subtle: a \r at the very end may be half of a \r\n still on its way
+            hold = 1 if pending.endswith(b"\r") else 0
+            lines = re.split(rb"\r\n|\r|\n", pending[:len(pending) - hold])
+            pending = lines.pop() + pending[len(pending) - hold:]
+        else:       # the end: what is left is a last line, and the event it may end
+            lines, pending = [pending, b""], b""
+        for line in lines:
+            if not line:                              # a blank line ends an event
+                if data:
+                    yield event, b"\n".join(data).decode("utf-8", "replace")
+                event, data = "message", []
+            elif not line.startswith(b":"):           # ": ping" and the like are comments
+                field, _, value = line.partition(b":")
+                value = value[1:] if value.startswith(b" ") else value
+                if field == b"data":
+                    data.append(value)
+                elif field == b"event":
+                    event = value.decode("utf-8", "replace")
+        if not chunk:
+            return
+
+
+def read_stream(session, response) -> dict:
+    """A streamed reply put back together into the shape of a whole one, shown as it comes."""
+    cfg, show = session.cfg, session.show or (lambda kind, text: None)
+    text, reasoning, calls, finish, done, extra = [], [], {}, None, False, {}
+    for event, data in sse_events(response):
+        if data.strip() == "[DONE]":
+            done = True
+            break
+        try:
+            chunk = json.loads(data)
+        except (ValueError, RecursionError):
+            chunk = None
+        if not isinstance(chunk, dict):
+            raise Retry(f"a streamed event is not a JSON object: {data[:120]!r}")
+        message = error_message(chunk)
+        if event == "error" or message is not None:   # an error after the HTTP 200
+            raise server_error(cfg, 200, {}, chunk, data.encode(), message or data[:300])
+        for key in ("usage", "timings"):             # the last chunks, often without choices
+            if isinstance(chunk.get(key), dict):
+                extra[key] = chunk[key]
+        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
+        for choice in (c for c in choices if isinstance(c, dict)):
+            delta = choice.get("delta") or choice.get("message")
+            delta = delta if isinstance(delta, dict) else {}
+            for kind, parts, value in (("content", text, delta.get("content")),
+                                       ("reasoning", reasoning, delta.get("reasoning_content")
+                                        or delta.get("reasoning"))):
+                if isinstance(value, str) and value:
+                    parts.append(value)
+                    show(kind, value)
+            fragments = delta.get("tool_calls")
+            for fragment in fragments if isinstance(fragments, list) else []:
+                merge_fragment(calls, fragment)
+            if choice.get("finish_reason") == "error":
+                raise Retry("the server reported an error in the middle of the reply")
+            finish = choice.get("finish_reason") or finish
+    if not (done or finish):
+        raise Retry("the reply stopped before it was complete (no [DONE], no finish_reason)")
+    message = {"role": "assistant", "content": "".join(text),
+               "reasoning_content": "".join(reasoning),
+               "tool_calls": [calls[i] for i in sorted(calls)]}
+    return dict(extra, choices=[{"index": 0, "message": message, "finish_reason": finish}])
+
+
+def merge_fragment(calls, fragment):
+    """Add one streamed fragment of a tool call to the calls assembled so far, by index."""
+    if not isinstance(fragment, dict):
+        return
+    index = fragment.get("index")
+    if not isinstance(index, int):   # no index: match by id, else continue the last call
+        ids = {call["id"]: i for i, call in calls.items()}
+        index = ids.get(fragment.get("id"), len(calls) if fragment.get("id") or not calls
+                        else max(calls))
+    call = calls.setdefault(index, {"id": "", "type": "function",
+                                    "function": {"name": "", "arguments": ""}})
+    function = fragment.get("function") if isinstance(fragment.get("function"), dict) else {}
+    if isinstance(fragment.get("id"), str) and fragment["id"]:
+        call["id"] = fragment["id"]
+    name = function.get("name")
+    if isinstance(name, str) and name and name != call["function"]["name"]:
+        call["function"]["name"] += name   # the name whole, or (rarely) in pieces
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        call["function"]["arguments"] += arguments
+    elif isinstance(arguments, dict):     # the whole arguments as an object, in one go
+        call["function"]["arguments"] = json.dumps(arguments)
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. Replies: what servers send, made strict
 # ----------------------------------------------------------------------------------------------
 # The reply's first choice holds an assistant message with text, tool calls, or both, and
 # servers disagree about its shape: arguments as text, an object or nothing; ids missing or
@@ -1722,7 +1865,7 @@ def call_id(session, given) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Context: a transcript that never overflows
+# 13. Context: a transcript that never overflows
 # ----------------------------------------------------------------------------------------------
 # Every request carries the whole transcript, and a model can only read so much: its context.
 # Before each request the agent estimates the size (the server's own count of the last prompt,
@@ -1825,7 +1968,7 @@ def summarise(session, text) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. The loop
+# 14. The loop
 # ----------------------------------------------------------------------------------------------
 # The whole agent: append the question; ask; append the reply; if it calls no tool, that is the
 # answer; otherwise run each call, append each result, and ask again. The transcript is only
@@ -1841,8 +1984,13 @@ def ask(session, tool_choice=None) -> Reply:
         body["tool_choice"] = tool_choice   # same tools list, so the prompt prefix holds
     if session.cfg.max_tokens:
         body[session.token_param] = session.cfg.max_tokens
+    if session.cfg.stream:
+        body["stream"] = True
+        if session.stream_options:   # ask for the token counts in a last chunk
+            body["stream_options"] = {"include_usage": True}
     send = session.transport or (lambda b: post_chat(session, b))
-    sent = len(session.messages)
+    sent, start = len(session.messages), time.monotonic()
+    session.shown.clear()
     try:
         data = send(body)
     except ContextFull as e:   # the estimate was wrong: compact, and try once more
@@ -1852,13 +2000,27 @@ def ask(session, tool_choice=None) -> Reply:
         sent = len(session.messages)
         data = send(body)      # body["messages"] is session.messages, compacted in place
     reply = normalise(session, data)
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    session.usage.update({k: v for k, v in usage.items() if isinstance(v, int)})
-    if isinstance(usage.get("prompt_tokens"), int):
-        session.last_prompt = (usage["prompt_tokens"], sent)
-    if reply.reasoning:
+    count_usage(session, data, sent, time.monotonic() - start)
+    if reply.reasoning and "reasoning" not in session.shown:   # streamed: shown already
         session.say(printable(reply.reasoning), DIM)
     return reply
+
+
+def count_usage(session, data, sent, seconds):
+    """Add a reply's token counts to the session's; with -v, show them for this round."""
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    timings = data.get("timings") if isinstance(data.get("timings"), dict) else {}
+    details = usage.get("prompt_tokens_details")
+    prompt, generated = whole(usage.get("prompt_tokens")), whole(usage.get("completion_tokens"))
+    cached = (whole(details.get("cached_tokens")) if isinstance(details, dict) else 0) or \
+        whole(timings.get("cache_n"))   # OpenAI's name for it, or llama-server's
+    session.usage.update(rounds=1, prompt=prompt, cached=cached, generated=generated,
+                         seconds=seconds)
+    if prompt:
+        session.last_prompt = (prompt, sent)
+    if session.cfg.verbose:
+        session.say(f"  [{prompt:,} prompt tokens, {cached:,} cached, {generated:,} generated, "
+                    f"{seconds:.1f} s]", DIM)
 
 
 def run_turn(session, question) -> str:
@@ -1877,7 +2039,7 @@ def run_turn(session, question) -> str:
                     session.say(f"  (answer cut off at {session.cfg.max_tokens} tokens; raise "
                                 f"--max-tokens)", YELLOW)
                 return reply.message["content"]
-            if reply.message["content"]:
+            if reply.message["content"] and "content" not in session.shown:
                 session.say(printable(reply.message["content"]))   # thinking aloud
             for call, arguments in zip(calls, reply.arguments):
                 name = call["function"]["name"]
@@ -1974,32 +2136,90 @@ def new_session(cfg, transport=None) -> Session:
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. The terminal
+# 15. The terminal
 # ----------------------------------------------------------------------------------------------
 # One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
 # A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
 # stops the current request without losing the conversation, Ctrl+D to leave.
 
-def waiting(session, transport):
-    """transport, showing elapsed seconds on the terminal while the model thinks."""
-    def wrapped(body):
-        """Send body through transport, with a ticking clock on stderr meanwhile."""
-        done = threading.Event()
+class Screen:
+    """A reply as the user sees it: a clock on stderr while waiting (on a terminal), then its
+    text on stdout and its reasoning, dimmed, on stderr, as they stream in."""
 
-        def tick():
-            """Redraw the elapsed seconds five times a second until done."""
-            start = time.monotonic()
-            while not done.wait(0.2):
-                session.say(f"\r… {time.monotonic() - start:.0f}s", DIM, end="")
-        ticker = threading.Thread(target=tick, daemon=True)
-        ticker.start()
-        try:
-            return transport(body)
-        finally:
-            done.set()
-            ticker.join()
-            session.say("\r\033[K", end="")
-    return wrapped
+    def __init__(self, session, clock):
+        """clock: show the seconds waited (only where stderr is a terminal)."""
+        self.session, self.clock, self.ticker = session, clock, None
+        self.stop = threading.Event()
+        self.ends = {}               # stream -> the last character written to it
+        self.thinking, self.held = None, ""   # a <think> block opening the text, if any
+
+    def send(self, transport):
+        """transport, wrapped: a clock until the first word; open lines ended afterwards."""
+        def wrapped(body):
+            """Send body, with the clock running until something shows."""
+            self.thinking, self.held = None, ""
+            if self.clock:
+                self.stop.clear()
+                self.ticker = threading.Thread(target=self.tick, daemon=True)
+                self.ticker.start()
+            try:
+                return transport(body)
+            finally:
+                self.quiet()
+                self.write("content", self.held)
+                for stream, last in self.ends.items():
+                    if last != "\n":
+                        print(file=stream, flush=True)
+                self.ends.clear()
+        return wrapped
+
+    def tick(self):
+        """Redraw the seconds waited, five times a second, until told to stop."""
+        begun = time.monotonic()
+        while not self.stop.wait(0.2):
+            self.session.say(f"\r… {time.monotonic() - begun:.0f}s", DIM, end="")
+        self.session.say("\r\033[K", end="")
+
+    def quiet(self):
+        """Stop the clock, and clear its line."""
+        if self.ticker:
+            self.stop.set()
+            self.ticker.join()
+            self.ticker = None
+
+    def show(self, kind, text):
+        """A piece of the reply has arrived: show it (a leading <think> block as reasoning)."""
+        self.quiet()
+        if kind == "content" and self.thinking is not False:
+            self.held += text
+            head = self.held.lstrip()
+            if self.thinking is None and "<think>".startswith(head):
+                return                                  # too soon to tell
+            if self.thinking is None:
+                self.thinking = head.startswith("<think>")
+                self.held = head[7:] if self.thinking else self.held
+            end = self.held.find("</think>") if self.thinking else 0
+            if self.thinking and end < 0:               # all thinking so far, but for a
+                keep = max(len(self.held) - 7, 0)       # "</think>" that may be half here
+                kind, text, self.held = "reasoning", self.held[:keep], self.held[keep:]
+            elif self.thinking:
+                self.write("reasoning", self.held[:end])
+                text, self.held, self.thinking = self.held[end + 8:].lstrip(), "", False
+            else:
+                text, self.held = self.held, ""
+        self.write(kind, text)
+
+    def write(self, kind, text):
+        """Text to stdout, reasoning dimmed to stderr; control characters made visible."""
+        if not text:
+            return
+        stream = sys.stdout if kind == "content" else sys.stderr
+        self.session.shown.add(kind)
+        text = printable(text) if stream.isatty() else text
+        dim = kind == "reasoning" and self.session.cfg.color
+        stream.write(f"{DIM}{text}{RESET}" if dim else text)
+        stream.flush()
+        self.ends[stream] = text[-1:]
 
 
 def read_stdin(wait) -> str:
@@ -2022,7 +2242,8 @@ def one_shot(session, question) -> int:
     if not answer.strip():
         print("agent: the model gave an empty answer", file=sys.stderr)
         return 1
-    print(printable(answer) if sys.stdout.isatty() else answer)
+    if "content" not in session.shown:   # not streamed onto the screen already
+        print(printable(answer) if sys.stdout.isatty() else answer)
     return 0
 
 
@@ -2030,6 +2251,7 @@ REPL_HELP = """\
 Ask anything about the code in {root}, or ask for a change. Commands:
   /help       this text
   /compact    summarise the conversation so far, to free context
+  /usage      tokens and seconds spent in this session
   /clear      forget the conversation and start over
   /quit       leave (Ctrl+D does too)
   !COMMAND    run a shell command yourself; its output goes to the model with your next message
@@ -2069,6 +2291,11 @@ def repl(session) -> int:
                 session.say("(conversation cleared)", DIM)
             elif line == "/compact":
                 compact(session, "asked for with /compact")
+            elif line == "/usage":
+                total = session.usage
+                session.say(f"{total['rounds']:,} rounds: {total['prompt']:,} prompt tokens "
+                            f"({total['cached']:,} of them cached), {total['generated']:,} "
+                            f"generated, {total['seconds']:.1f} s waiting for the model")
             elif line.startswith("/"):
                 session.say(f"unknown command {line.split()[0]}; /help lists them", YELLOW)
             elif line.startswith("!"):   # the user's own command: no approval needed
@@ -2076,7 +2303,9 @@ def repl(session) -> int:
                 print(output, flush=True)
                 ran.append(f"[I ran `{line[1:].strip()}` myself: {cap(output, RESULT_CAP // 2)}]")
             else:
-                print(printable(run_turn(session, "\n\n".join(ran + [line]))), flush=True)
+                answer = run_turn(session, "\n\n".join(ran + [line]))
+                if "content" not in session.shown:
+                    print(printable(answer), flush=True)
                 ran = []
         except KeyboardInterrupt:
             session.say("\n(interrupted; the conversation is kept)", YELLOW)
@@ -2097,7 +2326,7 @@ def repl(session) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. The demo: a scripted model
+# 16. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -2169,7 +2398,7 @@ def demo(cfg) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. main()
+# 17. main()
 # ----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -2192,8 +2421,9 @@ def main(argv=None) -> int:
         if stdin.strip():
             question = f"{question}\n\n<stdin>\n{stdin}\n</stdin>" if question else stdin
         session = new_session(cfg)
-        if sys.stderr.isatty():
-            session.transport = waiting(session, lambda body: post_chat(session, body))
+        screen = Screen(session, clock=sys.stderr.isatty())
+        session.show = screen.show
+        session.transport = screen.send(lambda body: post_chat(session, body))
         if question.strip():
             return one_shot(session, question)
         if piped:

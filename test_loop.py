@@ -45,10 +45,14 @@ agent.RETRY_BASE = 0.01   # retries wait 10, 20, 40 ms here instead of half a se
 # Each POST takes the next step of the script. A step is one of:
 #   reply(...) / calls(...)          a normal completion: {"message": {...}, "finish_reason"}
 #   {"status": 503, "body": ...}     an HTTP status with a body (a dict, a list, str or bytes)
-#   {"raw": b"..."}                  HTTP 200 with exactly these bytes as the body
+#   {"raw": b"..."}                  HTTP 200 with exactly these bytes as the body, as JSON
+#   {"sse": [b"data: ...", ...]}     HTTP 200, text/event-stream: exactly these bytes, in turn
 #   {"drop": True}                   close the connection without answering
 #   {"delay": 0.5, ...}              wait first, then do the rest of the step
 #   a function of the request body   returns one of the above
+# A normal completion asked for with "stream": true is sent as a real server sends it: as
+# server-sent events, the text in small pieces, each tool call in fragments (the id and name
+# first, the arguments a few characters at a time), then the finish reason, the usage, [DONE].
 # When the script runs out, the server answers 500, so a test that asks too often fails loudly.
 # A request for a summary (agent.py compacting its transcript) is answered with server.summary
 # and takes no step. GET /v1/models lists server.models; GET /props tells server.n_ctx.
@@ -137,12 +141,63 @@ class CannedHandler(BaseHTTPRequestHandler):
             self.send(step["status"], step.get("body", b""), step.get("headers", ()))
         elif "raw" in step:
             self.send(200, step["raw"])
+        elif "sse" in step:
+            self.stream(step["sse"], step.get("pause", 0))
+        elif body.get("stream"):
+            self.stream(sse_chunks(step), step.get("pause", 0))
         else:
             choice = {"index": 0, "message": step["message"],
                       "finish_reason": step.get("finish_reason")}
             self.send(200, dict({"id": "chatcmpl-1", "object": "chat.completion",
                                  "model": body.get("model"), "choices": [choice]},
                                 **step.get("extra", {})))
+
+    def stream(self, pieces, pause):
+        """Send pieces of a text/event-stream as they are, pausing between them."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for piece in pieces:
+                self.wfile.write(piece)
+                self.wfile.flush()
+                time.sleep(pause)
+        except OSError:   # the agent hung up: Ctrl+C
+            pass
+
+
+def sse_chunks(step):
+    """A scripted reply as the server-sent events of a stream, cut into small deltas."""
+    message = step["message"]
+
+    def event(delta=None, finish=None, **extra):
+        chunk = dict({"object": "chat.completion.chunk",
+                      "choices": [] if delta is None else
+                      [{"index": 0, "delta": delta, "finish_reason": finish}]}, **extra)
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    events = [event({"role": "assistant", "content": ""})]
+    for key in ("reasoning_content", "reasoning"):
+        if isinstance(message.get(key), str):
+            events += [event({key: message[key][i:i + 5]}) for i in range(0, len(message[key]), 5)]
+    content = message.get("content") if isinstance(message.get("content"), str) else ""
+    events += [event({"content": content[i:i + 7]}) for i in range(0, len(content), 7)]
+    for index, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function") or {}
+        first = {"index": index, "type": "function", "function": {"name": function.get("name"),
+                                                                  "arguments": ""}}
+        if "id" in call:
+            first["id"] = call["id"]
+        events.append(event({"tool_calls": [first]}))
+        arguments = function.get("arguments")
+        size = max(5, len(arguments) // 20) if isinstance(arguments, str) else 0
+        pieces = [arguments[i:i + size] for i in range(0, len(arguments), size)] \
+            if isinstance(arguments, str) else [arguments]
+        events += [event({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+                   for piece in pieces]
+    events.append(event({}, step.get("finish_reason") or "stop"))
+    events.append(event(**step.get("extra", {})) if step.get("extra") else b"")
+    return events + [b"data: [DONE]\n\n"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -945,7 +1000,7 @@ class TransportTest(unittest.TestCase):
                 self.assertEqual(agent.run_turn(session, "q"), "in time")
                 with self.assertRaises(agent.Fatal) as caught:
                     agent.run_turn(session, "q")
-        self.assertIn("no answer within 0.2 s (LLM_TIMEOUT) (gave up after 4 attempts)",
+        self.assertIn("no answer for 0.2 s (LLM_TIMEOUT) (gave up after 4 attempts)",
                       str(caught.exception))
 
     def test_context_full_and_no_tools_are_explained(self):
@@ -1035,6 +1090,173 @@ class TransportTest(unittest.TestCase):
                     ["--url", server.url, "--root", WORK], {}))
                 agent.run_turn(session, "q")
                 self.assertEqual(server.bodies()[0]["model"], expected)
+
+
+def sse(*events, done=True, crlf=False):
+    """Raw server-sent events: each dict a chunk, each str sent as it is; then [DONE]."""
+    out = [(b"data: " + json.dumps(e).encode() + b"\n\n") if isinstance(e, dict) else e.encode()
+           for e in events] + ([b"data: [DONE]\n\n"] if done else [])
+    return [piece.replace(b"\n", b"\r\n") for piece in out] if crlf else out
+
+
+def delta(finish=None, **fields):
+    """One chunk of a stream, with one choice whose delta holds fields."""
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": finish}]}
+
+
+class StreamTest(unittest.TestCase):
+
+    def test_fragments_are_put_back_together(self):
+        """Text in pieces, a call in fragments (id and name first), another whole in one delta,
+        its last fragment on the finish chunk: the reply is what a whole one would be."""
+        events = sse(delta(content="Look"), delta(content="ing."),
+                     delta(tool_calls=[{"index": 0, "id": "a1", "type": "function",
+                                        "function": {"name": "read_file", "arguments": ""}}]),
+                     delta(tool_calls=[{"index": 0, "function": {"arguments": '{"pa'}}]),
+                     delta(tool_calls=[{"index": 0, "function": {"arguments": 'th": "hel'}}]),
+                     delta(tool_calls=[{"index": 1, "id": "b2", "type": "function", "function": {
+                         "name": "list_dir", "arguments": {"path": "src"}}}]),
+                     delta("tool_calls", tool_calls=[{"index": 0, "function": {
+                         "arguments": 'lo.py"}'}}]))
+        run = run_agent([{"sse": events}, reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual(sent[2]["content"], "Looking.")
+        self.assertEqual([(c["id"], c["function"]["name"], c["function"]["arguments"])
+                          for c in sent[2]["tool_calls"]],
+                         [("a1", "read_file", '{"path": "hello.py"}'),
+                          ("b2", "list_dir", '{"path": "src"}')])
+        self.assertIn("def greet", sent[3]["content"])
+        self.assertIn("app.py", sent[4]["content"])
+
+    def test_the_wire_format_is_read_by_the_spec(self):
+        """data: with or without a space, several data lines joined, : comments, CRLF, and an
+        event split across reads: all parsed the same."""
+        for crlf in (False, True):
+            events = sse(": ping\n\n", 'data:{"choices": [{"index": 0, "delta": \n',
+                         'data: {"content": "one "}}]}\n\n',
+                         delta(content="two"), delta("stop"), crlf=crlf)
+            with self.subTest(crlf=crlf):
+                self.assertEqual(run_agent([{"sse": events}]).answer, "one two")
+
+    def test_an_error_after_the_200_is_a_server_error(self):
+        """An error event, an error object or finish_reason "error" in the stream: retried
+        when it may pass, reported when it cannot."""
+        for events, says in ((sse(delta(content="par"), {"error": {"message": "overloaded",
+                                                                   "code": 503}}), "overloaded"),
+                             (sse("event: error\ndata: {\"message\": \"boom\"}\n\n"), "boom"),
+                             (sse(delta(content="x"), delta("error")), "error in the middle")):
+            with self.subTest(says=says):
+                run = run_agent([{"sse": events}, reply("recovered")])
+                self.assertEqual(run.answer, "recovered")
+                self.assertIn(says, run.stderr)
+        run = run_agent([{"sse": sse({"error": {"message": "bad key", "code": 401}})}])
+        self.assertIn("bad key", str(run.answer))
+        self.assertEqual(len(run.bodies), 1)
+
+    def test_a_stream_cut_off_runs_no_tool(self):
+        """A stream that ends with no [DONE] and no finish_reason is asked again; the half
+        call in it never runs."""
+        cut = sse(delta(tool_calls=[{"index": 0, "id": "w", "function": {
+            "name": "write_file", "arguments": '{"path": "cut.txt", "content": "x"}'}}]),
+            done=False)
+        run = run_agent([{"sse": cut}, reply("asked again")], "q", "--yes")
+        self.assertEqual(run.answer, "asked again")
+        self.assertIn("stopped before it was complete", run.stderr)
+        self.assertFalse(os.path.exists(os.path.join(WORK, "cut.txt")))
+        self.assertEqual(len(run.bodies), 2)
+
+    def test_usage_in_a_chunk_without_choices(self):
+        """The usage chunk (choices empty) and llama-server's timings are read; -v shows them."""
+        openai = dict(reply("ok"), extra={"usage": {
+            "prompt_tokens": 120, "completion_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 100}}})
+        run = run_agent([openai], "q", "-v")
+        self.assertEqual(run.answer, "ok")
+        self.assertIn("[120 prompt tokens, 100 cached, 7 generated,", run.stderr)
+        llama = dict(reply("ok"), extra={"timings": {"cache_n": 90}, "usage": {
+            "prompt_tokens": 95, "completion_tokens": 2}})
+        run = run_agent([llama], "q", "-v")
+        self.assertIn("[95 prompt tokens, 90 cached, 2 generated,", run.stderr)
+        self.assertEqual(run.session.usage["cached"], 90)
+        self.assertEqual(run.bodies[0]["stream_options"], {"include_usage": True})
+
+    def test_stream_options_refused_are_dropped_for_good(self):
+        """A server that refuses stream_options is asked again without it, and never again."""
+        refusal = {"status": 400, "body": {"error": {"message": "Unrecognized request argument "
+                                                     "supplied: stream_options"}}}
+        run = run_agent([refusal, calls(tool_call("list_dir")), reply("done")])
+        self.assertEqual(run.answer, "done")
+        self.assertEqual(["stream_options" in b for b in run.bodies], [True, False, False])
+
+    def test_no_stream_sends_no_stream(self):
+        """--no-stream (or LLM_STREAM=0) asks for whole replies."""
+        for flags, env in ((["--no-stream"], {}), ([], {"LLM_STREAM": "0"})):
+            run = run_agent([reply("whole")], "q", *flags, **env)
+            self.assertEqual(run.answer, "whole")
+            self.assertNotIn("stream", run.bodies[0])
+
+    def test_a_slow_stream_is_not_a_timeout_but_silence_is(self):
+        """The timeout is for silence: a reply that keeps coming may take longer than it."""
+        slow = {"sse": sse(*[delta(content=w) for w in "a b c d e f".split()], delta("stop")),
+                "pause": 0.08}
+        silent = {"sse": sse(delta(content="x"), "", ": still there?\n\n"), "pause": 0.5}
+        with CannedServer([slow, silent, reply("after silence")]) as server:
+            session = agent.new_session(config(server.url))
+            session.cfg.timeout = 0.3
+            self.assertEqual(run_turn_quietly(session, "q"), "abcdef")
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                self.assertEqual(agent.run_turn(session, "q2"), "after silence")
+        self.assertIn("no answer for 0.3 s", err.getvalue())
+
+    def test_text_reaches_stdout_as_it_arrives(self):
+        """The first words are on stdout while the server is still writing the rest; stdout
+        ends up holding the answer, reasoning goes to stderr."""
+        pieces = sse(delta(reasoning_content="hmm"), delta(content="Hello"),
+                     delta(content=" world"), delta("stop"))
+        with CannedServer([{"sse": pieces, "pause": 0.3}]) as server:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "AGENT_"))}
+            env.update(LLM_URL=server.url, LLM_MODEL="m", AGENT_ROOT=WORK, NO_COLOR="1")
+            p = subprocess.Popen([sys.executable, AGENT, "hi"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                                 start_new_session=True)
+            first = p.stdout.read(5)
+            still_streaming = p.poll() is None
+            rest, err = p.communicate(timeout=10)
+        self.assertEqual((first, still_streaming), (b"Hello", True))
+        self.assertEqual(first + rest, b"Hello world\n")
+        self.assertIn(b"hmm", err)
+
+    def test_a_think_block_in_the_text_is_shown_as_reasoning(self):
+        """A leading <think>…</think> in streamed text goes to stderr, split where it may be."""
+        pieces = sse(delta(content="<thi"), delta(content="nk>ponder"), delta(content="ing</th"),
+                     delta(content="ink>\nThe answer."), delta("stop"))
+        with CannedServer([{"sse": pieces}]) as server:
+            code, out, err = cli(["q"], url=server.url)
+        self.assertEqual((code, out), (0, "The answer.\n"))
+        self.assertIn("pondering", err)
+
+    def test_ctrl_c_mid_stream_hangs_up_and_keeps_the_session(self):
+        """Ctrl+C while a reply streams in stops it at once, closes the connection, and the
+        conversation goes on."""
+        long = {"sse": sse(*[delta(content="word ") for _ in range(200)], delta("stop")),
+                "pause": 0.05}
+        with CannedServer([long, reply("next answer")]) as server:
+            term = Terminal(server.url)
+            term.expect("› ")
+            term.type("talk\n")
+            term.expect("word word")
+            started = time.monotonic()
+            term.process.send_signal(signal.SIGINT)
+            term.expect("interrupted; the conversation is kept")
+            self.assertLess(time.monotonic() - started, 2)
+            term.expect("› ")
+            term.type("again\n")
+            term.expect("next answer")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+            self.assertEqual([m["role"] for m in server.bodies()[-1]["messages"]],
+                             ["system", "user", "assistant", "user"])
 
 
 class NormaliseTest(unittest.TestCase):
