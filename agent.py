@@ -49,6 +49,7 @@ Left out on purpose, for now: streaming replies, and running tool calls in paral
 """
 import argparse
 import collections
+import concurrent.futures
 import ctypes
 import dataclasses
 import difflib
@@ -2041,17 +2042,7 @@ def run_turn(session, question) -> str:
                 return reply.message["content"]
             if reply.message["content"] and "content" not in session.shown:
                 session.say(printable(reply.message["content"]))   # thinking aloud
-            for call, arguments in zip(calls, reply.arguments):
-                name = call["function"]["name"]
-                key = (session.changes, name, call["function"]["arguments"], str(arguments))
-                asked[key] += 1
-                if reply.finish_reason == "length" and call is calls[-1]:
-                    # subtle: the server may have patched up a call the cap cut in half
-                    result = CUT_OFF.format(session.cfg.max_tokens)
-                elif asked[key] > REPEAT_LIMIT:
-                    result = REPEATED.format(name, REPEAT_LIMIT)
-                else:
-                    result = run_call(session, name, arguments)
+            for call, result in zip(calls, run_calls(session, reply, asked)):
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
             if max(asked.values()) > REPEAT_LIMIT + 1:
                 why = "the same call was repeated with the same arguments"
@@ -2072,11 +2063,62 @@ REPEATED = ("error: repeated_call: {} was already called {} times this turn with
             "different, or answer.")
 
 
+def run_calls(session, reply, asked) -> list:
+    """The results of a reply's tool calls, in the order of the calls. Reads run side by side;
+    each change runs alone, in its place, after the reads before it and before those after."""
+    calls, results, reads = reply.message["tool_calls"], [], []
+
+    def run_waiting_reads():
+        """Run the reads collected so far, together, and put each result in its place."""
+        for (place, _, _), result in zip(reads, run_reads(session, reads)):
+            results[place] = result
+        reads.clear()
+
+    for call, arguments in zip(calls, reply.arguments):
+        name = call["function"]["name"]
+        key = (session.changes, name, call["function"]["arguments"], str(arguments))
+        asked[key] += 1
+        if reply.finish_reason == "length" and call is calls[-1]:
+            # subtle: the server may have patched up a call the cap cut in half
+            results.append(CUT_OFF.format(session.cfg.max_tokens))
+        elif asked[key] > REPEAT_LIMIT:
+            results.append(REPEATED.format(name, REPEAT_LIMIT))
+        elif name in CHANGES and not session.cfg.read_only:
+            run_waiting_reads()
+            results.append(run_call(session, name, arguments))
+        else:
+            reads.append((len(results), name, arguments))
+            results.append(None)                 # filled in when the reads run together
+    run_waiting_reads()
+    return results
+
+
+def run_reads(session, reads) -> list:
+    """Run read-only calls [(place, name, arguments)] at the same time; results in order."""
+    if len(reads) < 2:   # one call runs here, in the main thread, under its time limit
+        return [run_call(session, name, arguments) for _, name, arguments in reads]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(len(reads), 8))
+    try:
+        futures = [pool.submit(run_call, session, name, arguments) for _, name, arguments in reads]
+        return [waited(future) for future in futures]
+    finally:   # on Ctrl+C, calls not yet begun never start
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def waited(future) -> str:
+    """A read's result, or a timeout error if its thread is still busy well past the limit."""
+    try:
+        return future.result(timeout=TOOL_SECONDS + 5)
+    except concurrent.futures.TimeoutError:
+        return f"error: timeout: the tool ran for over {TOOL_SECONDS} s and was abandoned"
+
+
 def run_call(session, name, arguments) -> str:
     """Run one tool call through the executor, showing it and a summary of its result."""
-    shown_args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    shown_args = one_line(arguments if isinstance(arguments, str) else json.dumps(arguments), 100)
     changing = name in CHANGES and not session.cfg.read_only
-    session.say(f"⚙ {name}({one_line(shown_args or '', 100)})", end="\n" if changing else " ")
+    if changing:   # shown first, since its preview and the question follow
+        session.say(f"⚙ {name}({shown_args})")
     result = execute(session.cfg, name, arguments, session.tools,
                      lambda *request: ask_permission(session, *request))
     if changing and not result.startswith("error:"):
@@ -2087,7 +2129,7 @@ def run_call(session, name, arguments) -> str:
         summary, style = one_line(result, 100), DIM   # "exit code 0 …", "edited x.py; …"
     else:
         summary, style = f"{result.count(chr(10)) + 1} lines", DIM
-    session.say(("  → " if changing else "→ ") + summary, style)
+    session.say(("  → " if changing else f"⚙ {name}({shown_args}) → ") + summary, style)
     return result
 
 

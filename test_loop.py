@@ -1533,6 +1533,37 @@ class LoopTest(unittest.TestCase):
                                    "replaced counter.txt: 1 lines, 2 B",
                                    "exit code 0\n2\n", "exit code 0\n2\n"])
 
+    def test_reads_run_together_but_results_keep_the_order_of_the_calls(self):
+        """Reads run side by side and may finish in any order; results go back in call order,
+        and a change runs after the reads before it and before the reads after it."""
+        finished = []
+
+        def slow_list_dir(cfg, path="."):
+            time.sleep(0.3 if path == "src" else 0)
+            finished.append(path)
+            return "listed " + path
+        paths = ["src", ".", "src/../src/.."]
+        with open(os.path.join(WORK, "order.txt"), "w") as f:
+            f.write("old\n")
+        self.addCleanup(os.unlink, os.path.join(WORK, "order.txt"))
+        with unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"list_dir": slow_list_dir}):
+            started = time.monotonic()
+            run = run_agent([calls(*[tool_call("list_dir", path=p) for p in paths],
+                                   tool_call("read_file", path="order.txt"),
+                                   tool_call("write_file", path="order.txt", content="new\n"),
+                                   tool_call("read_file", path="order.txt"),
+                                   tool_call("search", pattern="(")), reply("done")],
+                            "q", "--yes")
+            elapsed = time.monotonic() - started
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertEqual(results[:3], ["listed " + p for p in paths])
+        self.assertEqual(finished[-1], "src")                  # it finished last...
+        self.assertLess(elapsed, 0.6)                          # ...while the others ran
+        self.assertIn("\told", results[3])
+        self.assertTrue(results[4].startswith("replaced order.txt"))
+        self.assertIn("\tnew", results[5])
+        self.assertTrue(results[6].startswith("error: bad_regex"))   # one failure, no harm
+
     def test_the_request_prefix_is_stable(self):
         """Each request starts with the exact bytes of the one before: a server's cache holds."""
         run = run_agent([calls(tool_call("list_dir")), calls(tool_call("search", pattern="x")),
