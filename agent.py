@@ -48,6 +48,7 @@ Glossary:
 Left out on purpose, for now: streaming replies, and running tool calls in parallel.
 """
 import argparse
+import base64
 import collections
 import concurrent.futures
 import ctypes
@@ -55,6 +56,7 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
+import heapq
 import http.client
 import ipaddress
 import itertools
@@ -152,6 +154,7 @@ class Config:
     context: int = 0        # context budget in tokens; 0 = what the server says, else CONTEXT
     shell: str = "/bin/sh"  # what run_shell runs commands with
     shell_env: dict = dataclasses.field(default_factory=dict)  # their environment, minus the key
+    ripgrep: str = ""       # rg on this machine, for fast searches ("" = Python does them)
     stream: bool = True     # read replies as they are written (--no-stream, LLM_STREAM=0)
     verbose: bool = False   # a line of token counts and seconds per round on stderr (-v)
 
@@ -242,6 +245,7 @@ def load_config(argv=None, environ=None) -> Config:
         read_only=args.read_only or yes(env.get("AGENT_READ_ONLY")),
         context=number(pick(args.context, "AGENT_CONTEXT", default=0), "AGENT_CONTEXT"),
         shell=shutil.which("bash", path=env.get("PATH")) or "/bin/sh",
+        ripgrep=shutil.which("rg", path=env.get("PATH")) or "",
         stream=not args.no_stream and (env.get("LLM_STREAM") is None or yes(env["LLM_STREAM"])),
         verbose=args.verbose,
         shell_env={k: v for k, v in env.items()   # commands never see the API key
@@ -723,8 +727,9 @@ def load_skill(cfg, name):
 # ----------------------------------------------------------------------------------------------
 # Both look at the files below a directory: in a git work tree, the ones git lists (so
 # .gitignore is honoured), elsewhere the ones a walk finds. Both are built so that no pattern
-# the model writes can make them run without end: globs match one name at a time, and
-# regexes that could run across lines are tried line by line.
+# the model writes can make them run without end: globs match one name at a time, regexes
+# that could run across lines are tried line by line, and long loops check the deadline the
+# executor sets (check_time, section 8).
 
 # Globs: '*', '?' and '[...]' match within one name (fnmatch, which cannot backtrack without
 # end), '**' as a whole part matches any number of directories, '{a,b}' is spelled out first,
@@ -793,13 +798,19 @@ def git_files(directory) -> Optional[list]:
         return None
     if out.returncode != 0:
         return None
-    return [n for n in os.fsdecode(out.stdout).split("\0") if n and not n.endswith("/")]
+    found = []
+    for name in os.fsdecode(out.stdout).split("\0"):
+        if name.endswith("/"):   # a repository inside this one: its own git knows its files
+            found.extend(name + inner for inner in git_files(os.path.join(directory, name)) or [])
+        elif name:
+            found.append(name)
+    return found
 
 
 def list_files(directory) -> list:
     """Every file below directory as sorted relative paths, without .git or what git ignores."""
     found = git_files(directory)   # inside a git work tree, git knows what .gitignore means
-    if found is None:
+    if not found:   # no repository; or all of it ignored, and asked for by name all the same
         found = []
         for top, dirs, files in os.walk(directory):   # followlinks=False: no symlink loops
             rel = os.path.relpath(top, directory).replace(os.sep, "/")
@@ -845,14 +856,37 @@ def matching_lines(text, regex):
         pos = end + 1
 
 
-def search_file(name, regex):
-    """Yield (number, line) for each matching line of a text file, reading a block at a time."""
-    with open(name, "rb") as f:
-        head = f.read(SNIFF)
-        if is_binary(head):
+# A first look at a file's raw bytes is far cheaper than decoding it. A pattern written only
+# with ASCII literals and ASCII classes matches the same text as bytes as it does as str, so
+# its bytes form can rule a file out before it is decoded; other patterns skip that look.
+NOT_BYTE_SAFE = re.compile(r"\\[wWdDsSbBpPNuUx0-9]|(?<!\\)\.|\[\^|\(\?[a-zA-Z]*i|[^\x00-\x7f]")
+
+
+def first_look(pattern) -> Optional["re.Pattern"]:
+    """A bytes regex that finds a file's every match of pattern, or None if there is none."""
+    if NOT_BYTE_SAFE.search(pattern) or CROSSES_LINES.search(pattern):
+        return None
+    try:
+        return re.compile(pattern.encode(), re.MULTILINE)
+    except re.error:
+        return None
+
+
+def scan_file(name, regex, look=None):
+    """Yield (number, line) for each matching line of a text file; flat memory on huge ones."""
+    # subtle: O_NONBLOCK, so that a FIFO put in the file's place cannot make the open wait
+    with open(os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb", buffering=0) as f:
+        data = f.read(BLOCK * 8 + 1)
+        if is_binary(data[:SNIFF]):
             return
-        number, carry = 1, b""
-        for block in itertools.chain([head], iter(lambda: f.read(BLOCK), b"")):
+        if len(data) <= BLOCK * 8:                 # the usual case: the whole file at once
+            if b"\r" in data:
+                data = data.replace(b"\r\n", b"\n")
+            if not look or look.search(data):
+                yield from matching_lines(data.decode("utf-8", "replace"), regex)
+            return
+        number, carry = 1, b""                     # a huge file: a block at a time
+        for block in itertools.chain([data], iter(lambda: f.read(BLOCK), b"")):
             data = carry + block
             cut = data.rfind(b"\n") + 1            # search whole lines, keep the rest
             if cut == 0 and len(data) < BLOCK * 8:
@@ -868,6 +902,79 @@ def search_file(name, regex):
             yield number + n - 1, line
 
 
+def scan(root, full, regex, only):
+    """Yield (path, number, line) for every match below full, found by Python."""
+    prefix = "" if full == root else shown(root, full) + "/"
+    look = first_look(regex.pattern)
+    safe = {}   # folder -> True if no symlink on its way leads anywhere
+    for rel in list_files(full):
+        check_time()
+        name = full + os.sep + rel
+        folder = os.path.dirname(name)
+        if folder not in safe:    # subtle: git lists files under a directory now a symlink
+            safe[folder] = os.path.realpath(folder) == folder
+        if not safe[folder] or (only and not glob_match(only, prefix + rel)):
+            continue
+        try:
+            if not stat.S_ISREG(os.lstat(name).st_mode):   # links, FIFOs: not followed
+                continue
+            for number, line in scan_file(name, regex, look):
+                yield prefix + rel, number, line
+        except OSError:   # vanished or unreadable since it was listed: skip it
+            pass
+
+
+# ripgrep (rg), where it is installed, scans a tree many times faster than Python can. It is
+# given the same rules: hidden files searched, .git not, .gitignore honoured inside a git
+# repository, symlinks not followed, CRLF lines ending before the \r. Patterns it reads
+# differently from Python (lookarounds, backreferences, POSIX classes, set operations) stay
+# with Python; so does any pattern it refuses. Either way the rows come out the same.
+PYTHON_ONLY = re.compile(r"\(\?<?[=!]|\(\?P=|\\[1-9]|\[\[:|&&|--|~~|\\[ZAz]")
+
+
+def ripgrep(cfg, full, pattern, glob, only):
+    """Yield (path, number, line) for every match below full, found by rg; None if it can't."""
+    if not cfg.ripgrep or PYTHON_ONLY.search(pattern):
+        return None
+    command = [cfg.ripgrep, "--json", "--no-config", "--hidden", "--crlf",
+               "--no-ignore-dot", "--no-messages", "-g", "!.git", "-e", pattern, "--", "."]
+    if glob and not glob.startswith("./"):
+        command[-4:-4] = ["-g", glob]   # the same glob, in rg's dialect, to skip files early
+    process = subprocess.Popen(command, cwd=full, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    first = process.stdout.readline()
+    if not first and process.wait() == 2:   # it refused the pattern: Python will do
+        process.stdout.close()
+        return None
+    return read_ripgrep(cfg.root, full, process, first, only)
+
+
+def read_ripgrep(root, full, process, first, only):
+    """The matches in rg's JSON lines, as (path, number, line)."""
+    prefix = "" if full == root else shown(root, full) + "/"
+    try:
+        for raw in itertools.chain([first], process.stdout):
+            check_time()
+            if not raw.startswith(b'{"type":"match"'):
+                continue
+            match = json.loads(raw)["data"]
+            path, line = (text_or_bytes(match[k]) for k in ("path", "lines"))
+            path = prefix + path[2:] if path.startswith("./") else prefix + path
+            if not only or glob_match(only, path):
+                yield path, match["line_number"], line.rstrip("\r\n")
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+
+
+def text_or_bytes(field) -> str:
+    """A string from rg's JSON, which sends text, or base64 bytes when it is not UTF-8."""
+    if "text" in field:
+        return field["text"]
+    return base64.b64decode(field["bytes"]).decode("utf-8", "replace")
+
+
 def search(cfg, pattern, path=".", glob=None):
     """Rows 'path:line: text' for every line matching pattern in the text files below path."""
     root = cfg.root
@@ -880,39 +987,27 @@ def search(cfg, pattern, path=".", glob=None):
     only = check_glob(glob) if glob else None
     full = resolve(root, path)
     if os.path.isdir(full):
-        files = [os.path.join(full, f) for f in list_files(full)]
+        hits = ripgrep(cfg, full, pattern, glob, only)
+        hits = scan(root, full, regex, only) if hits is None else hits
     else:
-        files = [regular_file(root, path)]
-    rows, total, searched, hit_files = [], 0, 0, 0
-    safe = {}   # directory -> True if no symlink in it leads out of the root
-    for name in files:
-        rel = shown(root, name)
-        folder = os.path.dirname(name)
-        if folder not in safe:    # subtle: git lists files under a directory now a symlink
-            safe[folder] = os.path.realpath(folder) == folder
-        if not safe[folder] or (only and not glob_match(only, rel)) or not os.path.isfile(name)\
-                or os.path.islink(name):
-            continue
-        searched += 1
-        hits = 0
-        try:
-            for number, line in search_file(name, regex):
-                hits += 1
-                if len(rows) < MATCH_CAP:
-                    line = line.strip()
-                    more = " …" if len(line) > 300 else ""
-                    rows.append(f"{rel}:{number}: {line[:300]}{more}")
-        except OSError:   # vanished or unreadable since it was listed: skip it
-            pass
-        total += hits
-        hit_files += hits > 0
-    where = shown(root, full)
+        name = regular_file(root, path)
+        hits = ((shown(root, name), n, line) for n, line in scan_file(name, regex))
+    per_file = collections.Counter()
+
+    def counted(hits):
+        """The hits, each counted against its file on the way past."""
+        for hit in hits:
+            per_file[hit[0]] += 1
+            yield hit
+    first = heapq.nsmallest(MATCH_CAP, counted(hits))   # in path and line order, however found
+    rows = [f"{p}:{n}: {line.strip()[:300]}" + (" …" if len(line.strip()) > 300 else "")
+            for p, n, line in first]
+    total, where = sum(per_file.values()), shown(root, full)
     if not total:
-        why = "" if searched else "; every file there is ignored by .gitignore or not text"
-        return f"no matches for {pattern!r} in {where} ({searched:,} text files searched{why})"
+        return f"no matches for {pattern!r} in {where}"
     if total > len(rows):
-        rows.append(f"[{len(rows)} of {total:,} matches shown, in {hit_files:,} files; narrow "
-                    f"with a more specific pattern, a path or a glob]")
+        rows.append(f"[{len(rows)} of {total:,} matches shown, in {len(per_file):,} files; "
+                    f"narrow with a more specific pattern, a path or a glob]")
     return "\n".join(rows)
 
 
@@ -1279,12 +1374,14 @@ def describe_os_error(e, root, arguments) -> str:
 
 
 class TimeLimit:
-    """Stop the tool running in the main thread after TOOL_SECONDS, with a ToolError."""
+    """Stop the tool after TOOL_SECONDS with a ToolError: by a deadline the long loops check
+    (check_time), and in the main thread by an alarm as well."""
     # subtle: a regex like (a+)+$ can run for hours inside one call into re, and only a signal
-    # gets in there. Signals reach the main thread only; elsewhere the tool runs unlimited.
+    # gets in there. Signals reach the main thread only; other threads have the deadline.
 
     def __enter__(self):
-        """Set the alarm, if this thread can receive it."""
+        """Set the deadline, and the alarm if this thread can receive it."""
+        DEADLINE.at = time.monotonic() + TOOL_SECONDS
         self.armed = hasattr(signal, "setitimer") and \
             threading.current_thread() is threading.main_thread()
         if self.armed:
@@ -1293,6 +1390,7 @@ class TimeLimit:
 
     def __exit__(self, *exc):
         """Disarm the alarm and give SIGALRM back to whoever had it."""
+        DEADLINE.at = None
         if self.armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, self.previous)
@@ -1302,6 +1400,15 @@ class TimeLimit:
         """The alarm went off: stop the tool where it stands."""
         raise ToolError("timeout", f"the tool ran for {TOOL_SECONDS} s and was stopped; "
                         f"narrow it (a path, a glob, a simpler pattern) and try again")
+
+
+DEADLINE = threading.local()   # .at: when the tool running in this thread must stop
+
+
+def check_time():
+    """Stop a tool that has run past its deadline (called between files, say)."""
+    if getattr(DEADLINE, "at", None) and time.monotonic() > DEADLINE.at:
+        TimeLimit.expire(None, None)
 
 
 def execute(cfg, name, arguments, tools=TOOLS, permit=None) -> str:

@@ -14,6 +14,7 @@ talking to the model, the loop, the terminal, and a seeded fuzz test over all of
 """
 import collections
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -21,6 +22,7 @@ import os
 import pty
 import random
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -548,6 +550,47 @@ class PromptTest(unittest.TestCase):
             "error: unknown_skill: there is no skill 'nope'; the skills are deploy, review"))
         self.assertNotIn("load_skill", [t["function"]["name"] for t in
                                         agent.new_session(CFG).tools])
+
+
+class RipgrepTest(unittest.TestCase):
+    PATTERNS = ["needle", "^needle$", "need(le|ful)", r"\bword\b", "é", "(?i)NEEDLE", "n.e",
+                "[0-9]+", "a{,3}b", "(?<=x)needle", "tail$", "nothing at all"]
+
+    def test_the_same_rows_with_and_without_ripgrep(self):
+        """rg, where installed, finds exactly the rows Python finds: .gitignore, hidden files,
+        a nested repository, CRLF, latin-1, binary files, links and globs all alike."""
+        ripgrep = shutil.which("rg")
+        if not ripgrep:
+            self.skipTest("ripgrep is not installed here; .ci/run installs it where it can")
+        repo = tempfile.mkdtemp(dir=WORK, prefix="rg-")
+        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
+        subprocess.run(["git", "init", "-q", repo], check=True)
+        files = {".gitignore": b"build/\n*.log\n", "a.py": b"needle\nword needful 42\n",
+                 ".hidden.py": b"xneedle\n", "build/out.py": b"needle\n", "x.log": b"needle\n",
+                 "crlf.txt": b"tail\r\nneedle\r\n", "latin.txt": b"caf\xe9 needle aab\n",
+                 "bin.dat": b"needle\0\n", "deep/er/n.py": b"NEEDLE\nnine\n",
+                 "inner/.git/HEAD": b"ref: refs/heads/main\n", "inner/i.py": b"needle\n",
+                 "unicode.txt": "é needle\n".encode()}
+        for name, data in files.items():
+            os.makedirs(os.path.dirname(os.path.join(repo, name)), exist_ok=True)
+            with open(os.path.join(repo, name), "wb") as f:
+                f.write(data)
+        subprocess.run(["git", "init", "-q", os.path.join(repo, "inner")], check=True)
+        os.symlink("a.py", os.path.join(repo, "link.py"))
+        rel = os.path.basename(repo)
+        for pattern in self.PATTERNS:
+            for glob in (None, "*.py", "deep/**"):
+                with self.subTest(pattern=pattern, glob=glob):
+                    args = {"pattern": pattern, "path": rel, "glob": glob}
+                    fast = agent.execute(dataclasses.replace(CFG, ripgrep=ripgrep), "search",
+                                         json.dumps(args))
+                    slow = agent.execute(dataclasses.replace(CFG, ripgrep=""), "search",
+                                         json.dumps(args))
+                    self.assertEqual(fast, slow)
+        everything = agent.execute(CFG, "search", json.dumps({"pattern": "needle", "path": rel}))
+        self.assertNotIn("build/", everything)
+        self.assertIn(rel + "/inner/i.py:1: needle", everything)
+        self.assertIn(rel + "/.hidden.py:1: xneedle", everything)
 
 
 class ChangingTest(unittest.TestCase):
