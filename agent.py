@@ -35,9 +35,12 @@ sandboxed executor (4-9), an append-only transcript and stop conditions (13, 14)
    12. Replies: what servers send, made strict
    13. Context: a transcript that never overflows
    14. The loop
-   15. The terminal
-   16. The demo: a scripted model
-   17. main()
+   15. MCP: tools from other programs
+   16. Sub-agents: a fresh loop for one task
+   17. Sessions that survive
+   18. The terminal
+   19. The demo: a scripted model
+   20. main()
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
@@ -56,6 +59,7 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
+import hashlib
 import heapq
 import http.client
 import ipaddress
@@ -113,6 +117,10 @@ SHELL_TIMEOUT_MAX = 600  # seconds; a longer limit is refused
 SHELL_OUTPUT_MAX = 64 << 20  # bytes a command may write before it is stopped
 AGENTS_CAP = 32 << 10  # bytes of AGENTS.md added to the system prompt
 
+MCP_PROTOCOL = "2025-11-25"  # the MCP version asked for; a server may answer with an older one
+MCP_SECONDS = 30       # seconds an MCP server may take to start, or to answer one request
+MCP_STOP_SECONDS = 2   # seconds an MCP server gets to leave when its stdin closes
+
 CONTEXT = 32_768       # tokens of context assumed when neither AGENT_CONTEXT nor the server says
 CHARS_PER_TOKEN = 3    # for guessing a size in tokens before the server has counted it
 SUMMARY_TOKENS = 1024  # tokens the summary of a compacted conversation may take
@@ -157,6 +165,11 @@ class Config:
     ripgrep: str = ""       # rg on this machine, for fast searches ("" = Python does them)
     stream: bool = True     # read replies as they are written (--no-stream, LLM_STREAM=0)
     verbose: bool = False   # a line of token counts and seconds per round on stderr (-v)
+    state: str = ""         # where sessions, history and logs are kept (per user)
+    mcp: dict = dataclasses.field(default_factory=dict)  # MCP server name -> {command, args...}
+    resume: Optional[str] = None   # a saved session to go on with ("" = this root's latest)
+    output: str = "text"    # one-shot stdout: "text", "json" (one object), "jsonl" (events)
+    trace: str = ""         # a file to add a JSON line to for every model and tool call
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -188,6 +201,17 @@ def parse_args(argv):
                    "of streaming them (LLM_STREAM=0)")
     p.add_argument("-v", "--verbose", action="store_true", help="show tokens (prompt, cached, "
                    "generated) and seconds for each round")
+    p.add_argument("--mcp", action="append", default=[], metavar="FILE", help="MCP servers to "
+                   "start, in .mcp.json's format (besides the workspace's own .mcp.json)")
+    p.add_argument("--continue", dest="go_on", action="store_true", help="go on with the "
+                   "latest saved session of this workspace")
+    p.add_argument("--resume", metavar="ID", help="go on with a saved session (see /sessions)")
+    p.add_argument("--json", action="store_true", help="one-shot: print one JSON object: "
+                   "answer, rounds, tool_calls, usage, exit_reason")
+    p.add_argument("--jsonl", action="store_true", help="one-shot: print each event as a JSON "
+                   "line as it happens, the same object last")
+    p.add_argument("--trace", metavar="FILE", help="add a JSON line per model call and tool "
+                   "call to FILE")
     p.add_argument("--demo", action="store_true", help="run a scripted model offline and exit")
     p.add_argument("--tool", nargs=2, metavar=("NAME", "JSON"), help="run one tool and exit")
     p.add_argument("--version", action="version", version=f"agent.py {VERSION}")
@@ -241,6 +265,11 @@ def load_config(argv=None, environ=None) -> Config:
         demo=args.demo,
         tool=args.tool,
         history=os.path.join(state, "agent-loop", "history"),
+        state=os.path.join(state, "agent-loop"),
+        mcp=mcp_servers(root, args.mcp, env),
+        resume=args.resume if args.resume is not None else "" if args.go_on else None,
+        output="json" if args.json else "jsonl" if args.jsonl else "text",
+        trace=args.trace or "",
         yes=args.yes or yes(env.get("AGENT_YES")),
         read_only=args.read_only or yes(env.get("AGENT_READ_ONLY")),
         context=number(pick(args.context, "AGENT_CONTEXT", default=0), "AGENT_CONTEXT"),
@@ -251,6 +280,40 @@ def load_config(argv=None, environ=None) -> Config:
         shell_env={k: v for k, v in env.items()   # commands never see the API key
                    if k not in ("LLM_API_KEY", "OPENAI_API_KEY") and v != (api_key or None)},
     )
+
+
+def mcp_servers(root, files, env) -> dict:
+    """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
+    --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment."""
+    servers = {}
+    for path, ask in [(os.path.join(root, ".mcp.json"), True)] + [(f, False) for f in files]:
+        if ask and not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                found = json.load(f).get("mcpServers")
+            for name, spec in found.items():
+                spec = expand(spec, env)
+                if not isinstance(spec.get("command"), str) or not isinstance(
+                        spec.get("args", []), list) or not isinstance(spec.get("env", {}), dict):
+                    raise ValueError(f"server {name!r} needs a command (and list args, dict env)")
+                servers[name] = dict(spec, ask=ask, args=[str(a) for a in spec.get("args", [])],
+                                     env={k: str(v) for k, v in spec.get("env", {}).items()})
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
+    return servers
+
+
+def expand(value, env):
+    """value with ${VAR} and ${VAR:-default} in its strings replaced, however deep."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
+                      lambda m: env.get(m.group(1)) or m.group(2) or "", value)
+    if isinstance(value, list):
+        return [expand(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: expand(v, env) for k, v in value.items()}
+    return value
 
 
 def yes(value) -> bool:
@@ -283,12 +346,28 @@ class Session:
     answered: bool = False                 # the server has answered once: it exists
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
     usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # totals
+    handlers: dict = dataclasses.field(default_factory=dict)  # the session's own tools: MCP, task
+    serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
+    servers: list = dataclasses.field(default_factory=list)   # MCP servers started
+    indent: str = ""                       # before every line printed: a sub-agent's is deeper
+    path: str = ""                         # the file the transcript is saved in, as it grows
+    saved: int = 0                         # messages written to it so far
+    sinks: list = dataclasses.field(default_factory=list)     # event(dict) -> for --json, traces
+    exit_reason: str = ""                  # how the last turn ended: answer, max_turns, ...
 
     def say(self, text, style="", end="\n"):
         """Print for the human on stderr; stdout carries only the answer."""
+        if self.indent:
+            text = text.replace("\n", "\n" + self.indent)
+            text = text if text.startswith("\r") else self.indent + text
         if self.cfg.color and style:
             text = f"{style}{text}{RESET}"
         print(text, end=end, file=sys.stderr, flush=True)
+
+    def emit(self, kind, **fields):
+        """Tell each sink that something happened: a model call, a tool call, an answer."""
+        for sink in self.sinks:
+            sink(dict({"type": kind, "time": round(time.time(), 3)}, **fields))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1043,6 +1122,7 @@ class Plan:
     """A change a tool proposes: shown to the user first, carried out only once allowed."""
     preview: str                     # a unified diff, or "$ command"
     carry_out: Callable[[], str]     # makes the change and returns the result for the model
+    ask: bool = True                 # False: needs no yes, only to run outside the time limit
 
 
 def current_text(path, full) -> Optional[str]:
@@ -1411,12 +1491,13 @@ def check_time():
         TimeLimit.expire(None, None)
 
 
-def execute(cfg, name, arguments, tools=TOOLS, permit=None) -> str:
+def execute(cfg, name, arguments, tools=TOOLS, permit=None, handlers=None) -> str:
     """Run one tool call and return its result as text; every failure is an 'error:' result.
 
     A tool that changes something returns a Plan, carried out only if permit(name, args,
     preview) answers (True, ...); (False, why) makes the result a denial that says why. No
-    permit means the user made the call, as with --tool.
+    permit means the user made the call, as with --tool. handlers: the session's own tools
+    (MCP, task), name -> function(arguments) returning text or a Plan.
     """
     schemas = {t["function"]["name"]: t["function"] for t in tools}
     if name not in schemas:
@@ -1424,11 +1505,16 @@ def execute(cfg, name, arguments, tools=TOOLS, permit=None) -> str:
                 f"{', '.join(schemas)}")
     args = {}
     try:
-        args = check_arguments(schemas[name], parse_arguments(arguments))
-        with TimeLimit():
-            result = TOOL_FUNCTIONS[name](cfg, **args)
+        args = parse_arguments(arguments)
+        if handlers and name in handlers:   # a session's own tool (MCP, task) checks its own
+            result = handlers[name](args)
+        else:
+            args = check_arguments(schemas[name], args)
+            with TimeLimit():
+                result = TOOL_FUNCTIONS[name](cfg, **args)
         if isinstance(result, Plan):   # a change: it happens only once the user allows it
-            allowed, reason = permit(name, args, result.preview) if permit else (True, "")
+            allowed, reason = permit(name, args, result.preview) if permit and result.ask \
+                else (True, "")
             result = result.carry_out() if allowed else f"error: denied: {reason}"
     except ToolError as e:
         result = f"error: {e.kind}: {e}"
@@ -2046,6 +2132,7 @@ def compact(session, why) -> bool:
     messages[:] = ([{"role": "system", "content": session.system + SUMMARY_HEADER + summary},
                     messages[request]] + messages[group:])
     session.last_prompt = (0, 0)
+    save(session, whole=True)
     session.say(f"  (compacted {len(older)} messages into a summary of {len(summary):,} "
                 f"characters: {why})", DIM)
     return True
@@ -2124,6 +2211,10 @@ def count_usage(session, data, sent, seconds):
         whole(timings.get("cache_n"))   # OpenAI's name for it, or llama-server's
     session.usage.update(rounds=1, prompt=prompt, cached=cached, generated=generated,
                          seconds=seconds)
+    choice = data["choices"][0] if data.get("choices") else {}
+    session.emit("model_call", seconds=round(seconds, 3), prompt_tokens=prompt,
+                 cached_tokens=cached, completion_tokens=generated,
+                 finish_reason=choice.get("finish_reason"), depth=len(session.indent) // 4)
     if prompt:
         session.last_prompt = (prompt, sent)
     if session.cfg.verbose:
@@ -2136,30 +2227,38 @@ def run_turn(session, question) -> str:
     messages = session.messages
     messages.append({"role": "user", "content": question})
     asked = collections.Counter()   # (changes so far, tool, arguments) -> times this turn
-    why = f"{session.cfg.max_turns} tool rounds, the limit"
+    why = "max_turns"
     try:
         for _ in range(session.cfg.max_turns):
+            save(session)                # on disk as soon as it is in the transcript
             reply = ask(session)
             messages.append(reply.message)
+            save(session)
             calls = reply.message.get("tool_calls", [])
             if not calls:
                 if reply.finish_reason == "length":
                     session.say(f"  (answer cut off at {session.cfg.max_tokens} tokens; raise "
                                 f"--max-tokens)", YELLOW)
+                session.exit_reason = "answer"
                 return reply.message["content"]
             if reply.message["content"] and "content" not in session.shown:
                 session.say(printable(reply.message["content"]))   # thinking aloud
             for call, result in zip(calls, run_calls(session, reply, asked)):
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
             if max(asked.values()) > REPEAT_LIMIT + 1:
-                why = "the same call was repeated with the same arguments"
+                why = "repeated_call"
                 break
         return final_answer(session, why)
     except KeyboardInterrupt:
+        session.exit_reason = "interrupted"
         settle(messages, "[interrupted by the user]")
+        save(session)
         raise
     except Exception as e:   # Fatal, or a fault of this program: the transcript stays valid
+        session.exit_reason = "error"
+        session.emit("error", message=str(e))
         settle(messages, f"[no reply: {e}]")
+        save(session)
         raise
 
 
@@ -2190,7 +2289,7 @@ def run_calls(session, reply, asked) -> list:
             results.append(CUT_OFF.format(session.cfg.max_tokens))
         elif asked[key] > REPEAT_LIMIT:
             results.append(REPEATED.format(name, REPEAT_LIMIT))
-        elif name in CHANGES and not session.cfg.read_only:
+        elif name in session.serial:
             run_waiting_reads()
             results.append(run_call(session, name, arguments))
         else:
@@ -2223,11 +2322,15 @@ def waited(future) -> str:
 def run_call(session, name, arguments) -> str:
     """Run one tool call through the executor, showing it and a summary of its result."""
     shown_args = one_line(arguments if isinstance(arguments, str) else json.dumps(arguments), 100)
-    changing = name in CHANGES and not session.cfg.read_only
+    changing = name in session.serial
     if changing:   # shown first, since its preview and the question follow
         session.say(f"⚙ {name}({shown_args})")
+    start = time.monotonic()
     result = execute(session.cfg, name, arguments, session.tools,
-                     lambda *request: ask_permission(session, *request))
+                     lambda *request: ask_permission(session, *request), session.handlers)
+    session.emit("tool_call", name=name, arguments=arguments, ok=not result.startswith("error:"),
+                 seconds=round(time.monotonic() - start, 3), depth=len(session.indent) // 4,
+                 result=result[:200])
     if changing and not result.startswith("error:"):
         session.changes += 1   # the workspace changed: the same call may now give news
     if result.startswith("error:"):
@@ -2246,30 +2349,42 @@ def one_line(text, width) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+# Why a turn ended without an answer, as it is told to the model and the user.
+STOPPED = {"max_turns": "{} tool rounds, the limit",
+           "repeated_call": "the same call was repeated with the same arguments"}
+
+
 def final_answer(session, why) -> str:
     """Out of rounds or going in circles: ask once more with tools forbidden, for an answer."""
-    session.say(f"  ({why}; asking for a final answer)", YELLOW)
-    session.messages.append({"role": "user", "content": FINAL_REQUEST.format(why=why)})
+    reason = STOPPED[why].format(session.cfg.max_turns)
+    session.say(f"  ({reason}; asking for a final answer)", YELLOW)
+    session.messages.append({"role": "user", "content": FINAL_REQUEST.format(why=reason)})
     reply = ask(session, tool_choice="none")
     if reply.message.get("tool_calls"):   # a server that ignores tool_choice: drop the calls
         session.say("  (the model still asked for tools; not run)", YELLOW)
         reply.message = {"role": "assistant", "content": reply.message["content"]}
     session.messages.append(reply.message)
+    save(session)
+    session.exit_reason = why
     return reply.message["content"]
 
 
-def settle(messages, note):
-    """After an interruption or failure: answer every open tool call and close the turn."""
-    open_calls = []
-    for message in messages:
-        if message.get("tool_calls"):
-            open_calls = [c["id"] for c in message["tool_calls"]]
-        elif message.get("role") == "tool" and message.get("tool_call_id") in open_calls:
-            open_calls.remove(message["tool_call_id"])
-    for call_id_ in open_calls:
-        messages.append({"role": "tool", "tool_call_id": call_id_,
+def open_calls(messages) -> list:
+    """The tool calls of the last assistant message that no tool message has answered yet."""
+    last = max((i for i, m in enumerate(messages) if m.get("tool_calls")), default=None)
+    if last is None or any(m["role"] != "tool" for m in messages[last + 1:]):
+        return []
+    answered = {m.get("tool_call_id") for m in messages[last + 1:]}
+    return [call for call in messages[last]["tool_calls"] if call["id"] not in answered]
+
+
+def settle(messages, note, close=True):
+    """After an interruption or a failure: answer every open tool call; with close, end the
+    turn with an assistant note, so that roles alternate again for strict templates."""
+    for call in open_calls(messages):
+        messages.append({"role": "tool", "tool_call_id": call["id"],
                          "content": f"error: interrupted: {note}"})
-    if messages[-1]["role"] != "assistant":   # roles alternate again, for strict templates
+    if close and messages[-1]["role"] != "assistant":
         messages.append({"role": "assistant", "content": note})
 
 
@@ -2281,11 +2396,375 @@ def new_session(cfg, transport=None) -> Session:
                                    changing=changing) +
               project_instructions(cfg.root) + skills_prompt(skills))
     return Session(cfg, [{"role": "system", "content": system}], transport, system=system,
-                   tools=tools_for(cfg, skills))
+                   tools=tools_for(cfg, skills), serial=set() if cfg.read_only else set(CHANGES))
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. The terminal
+# 15. MCP: tools from other programs
+# ----------------------------------------------------------------------------------------------
+# The Model Context Protocol lets any program offer tools. An MCP server here is a child
+# process spoken to over its stdin and stdout in JSON-RPC 2.0, one message per line: the
+# client says initialize (and which protocol version it speaks), then initialized, then asks
+# tools/list, page by page; each of those tools is offered to the model as mcp__SERVER__TOOL,
+# and a call to one becomes a tools/call request. The server may send requests of its own
+# (ping) and notifications; a reader thread answers the first and ignores the second. A
+# server that will not start, dies or goes quiet becomes an error result, never a hang.
+# Servers come from .mcp.json at the root, {"mcpServers": {NAME: {"command", "args", "env"}}}
+# (the file Claude Code and Cursor read), and from --mcp FILE.
+
+class McpError(Exception):
+    """An MCP server failed to start, died, went quiet, or answered with an error."""
+
+
+class McpServer:
+    """One MCP server: a child process in its own process group, one JSON message per line."""
+
+    def __init__(self, name, spec, cfg):
+        """Start the process; spec is {"command", "args", "env"} with ${VAR} already expanded."""
+        self.name, self.tools, self.state, self.version = name, [], "starting", ""
+        self.pending, self.lock, self.ids = {}, threading.Lock(), itertools.count(1)
+        self.log = os.path.join(cfg.state, "mcp", re.sub(r"[^\w.-]", "_", name) + ".log")
+        os.makedirs(os.path.dirname(self.log), exist_ok=True)
+        with open(self.log, "ab") as log:   # subtle: stderr to a file, never a pipe nobody reads
+            self.process = subprocess.Popen(
+                [spec["command"], *spec.get("args", [])], cwd=cfg.root, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, env=dict(cfg.shell_env, **spec.get("env", {})),
+                start_new_session=True)
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self):
+        """Sort what the server writes: answers to our requests, its own requests, the rest."""
+        for line in self.process.stdout:
+            try:
+                message = json.loads(line)
+            except (ValueError, RecursionError):
+                continue   # a stray line of logging on stdout: not ours to read
+            if not isinstance(message, dict):
+                continue
+            if "method" in message:   # subtle: its request or notification; ids may be 0
+                if "id" in message:
+                    self.answer(message)
+                continue
+            waiting = self.pending.pop(message.get("id"), None)
+            if waiting:
+                waiting.append(message)
+                waiting[0].set()
+        self.state = "exited"
+        for waiting in list(self.pending.values()):   # nobody will answer these now
+            waiting[0].set()
+
+    def answer(self, request):
+        """Answer the server's own request: ping with {}, anything else with 'not found'."""
+        reply = {"result": {}} if request["method"] == "ping" else \
+            {"error": {"code": -32601, "message": f"method not found: {request['method']}"}}
+        self.send(dict({"jsonrpc": "2.0", "id": request["id"]}, **reply))
+
+    def send(self, message):
+        """Write one message, as one line."""
+        try:
+            with self.lock:
+                self.process.stdin.write(json.dumps(message).encode() + b"\n")
+                self.process.stdin.flush()
+        except (OSError, ValueError):   # the pipe is closed: the server has gone
+            raise McpError(f"MCP server {self.name} has exited (its log: {self.log})") from None
+
+    def request(self, method, params, timeout=MCP_SECONDS):
+        """Send a request and wait for its answer: the result, or an McpError."""
+        number, waiting = next(self.ids), [threading.Event()]
+        self.pending[number] = waiting
+        self.send({"jsonrpc": "2.0", "id": number, "method": method, "params": params})
+        if not waiting[0].wait(timeout):
+            self.pending.pop(number, None)
+            raise McpError(f"MCP server {self.name} did not answer {method} within {timeout} s")
+        if len(waiting) == 1:
+            raise McpError(f"MCP server {self.name} exited during {method} (its log: {self.log})")
+        error = waiting[1].get("error")
+        if error is not None:
+            message = error.get("message") if isinstance(error, dict) else error
+            raise McpError(f"MCP server {self.name} answered {method} with an error: {message}")
+        result = waiting[1].get("result")
+        return result if isinstance(result, dict) else {}
+
+    def start(self):
+        """The handshake, then every page of tools/list; the state says how it went."""
+        try:
+            hello = self.request("initialize", {
+                "protocolVersion": MCP_PROTOCOL, "capabilities": {},
+                "clientInfo": {"name": "agent.py", "version": VERSION}})
+            self.version = str(hello.get("protocolVersion", ""))
+            if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", self.version):   # any dated version
+                raise McpError(f"MCP server {self.name} speaks no protocol version we know")
+            self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+            cursor, tools = None, []
+            for _ in range(100):   # pages, until there is no nextCursor
+                page = self.request("tools/list", {"cursor": cursor} if cursor else {})
+                tools += [t for t in page.get("tools") or [] if isinstance(t, dict) and
+                          isinstance(t.get("name"), str)]
+                cursor = page.get("nextCursor")
+                if not cursor:
+                    break
+            self.tools, self.state = tools, "ready"
+        except McpError as e:
+            self.state = f"failed: {e}"
+
+    def call(self, tool, arguments) -> str:
+        """Call one tool; its content as text for the model."""
+        result = self.request("tools/call", {"name": tool, "arguments": arguments})
+        text = "\n".join(describe_content(item) for item in result.get("content") or [])
+        if not text and result.get("structuredContent") is not None:
+            text = json.dumps(result["structuredContent"])
+        if result.get("isError"):
+            return f"error: mcp_tool_error: {self.name} {tool}: {text or 'failed'}"
+        return text or "(no content)"
+
+    def stop(self):
+        """Close its stdin, give it a moment to leave, then end its process group."""
+        try:
+            self.process.stdin.close()
+            self.process.wait(MCP_STOP_SECONDS)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        kill_group(self.process.pid, self.process.poll)
+        self.process.wait()
+
+
+def describe_content(item) -> str:
+    """One content item of a tool result as text: text itself, anything else in one line."""
+    if not isinstance(item, dict):
+        return str(item)
+    kind = item.get("type")
+    if kind == "text":
+        return str(item.get("text", ""))
+    if kind in ("image", "audio"):
+        size = len(str(item.get("data", ""))) * 3 // 4
+        return f"[{kind}: {item.get('mimeType', 'unknown type')}, {human_size(size)}]"
+    if kind == "resource" and isinstance(item.get("resource"), dict):
+        resource = item["resource"]
+        return str(resource.get("text") or f"[resource {resource.get('uri', '')}]")
+    if kind == "resource_link":
+        return f"[resource {item.get('uri', '')}: {item.get('name', '')}]"
+    return f"[{kind} content]"
+
+
+def tool_name(server, tool, taken) -> str:
+    """mcp__SERVER__TOOL, made to fit ^[a-zA-Z0-9_-]{1,64}$ and to differ from names taken."""
+    name = re.sub(r"[^a-zA-Z0-9_-]", "_", f"mcp__{server}__{tool}")
+    if len(name) > 64 or name in taken:   # shortened, with a hash of the whole to tell apart
+        digest = hashlib.sha1(f"{server}\0{tool}".encode()).hexdigest()[:8]
+        name = f"{name[:55]}_{digest}"
+    return name
+
+
+def start_mcp(session):
+    """Start the configured MCP servers side by side; offer their tools to the model."""
+    servers = [McpServer(name, spec, session.cfg) for name, spec in session.cfg.mcp.items()
+               if permitted(session, name, spec)]
+    starting = [threading.Thread(target=s.start, daemon=True) for s in servers]
+    for thread in starting:
+        thread.start()
+    for thread in starting:
+        thread.join(MCP_SECONDS + 1)
+    for server in servers:
+        session.servers.append(server)
+        if server.state != "ready":
+            session.say(f"mcp: {server.name}: {server.state}", YELLOW)
+            continue
+        for tool in server.tools:
+            read_only = (tool.get("annotations") or {}).get("readOnlyHint") is True
+            if session.cfg.read_only and not read_only:
+                continue
+            name = tool_name(server.name, tool["name"], session.handlers)
+            schema = tool.get("inputSchema")
+            session.tools.append({"type": "function", "function": {
+                "name": name, "description": str(tool.get("description") or tool["name"])[:2000],
+                "parameters": schema if isinstance(schema, dict) else
+                {"type": "object", "properties": {}}}})
+            session.handlers[name] = mcp_handler(server, tool["name"], read_only)
+            if not read_only:
+                session.serial.add(name)
+
+
+def mcp_handler(server, tool, read_only):
+    """What the executor runs for one MCP tool: a Plan, asked about unless readOnlyHint."""
+    def handle(arguments):
+        """Call the tool once the user allows it; an MCP failure is an error result."""
+        def carry_out():
+            try:
+                return server.call(tool, arguments)
+            except McpError as e:
+                return f"error: mcp_error: {e}. Retrying may not help; try another way."
+        preview = f"MCP {server.name}: {tool}({json.dumps(arguments, ensure_ascii=False)})"
+        return Plan(preview, carry_out, ask=not read_only)
+    return handle
+
+
+def permitted(session, name, spec) -> bool:
+    """May this server start? --mcp ones may; one from the workspace's .mcp.json, if allowed."""
+    if not spec.get("ask") or session.cfg.yes:
+        return True
+    command = " ".join([spec["command"], *spec.get("args", [])])
+    allowed, _ = ask_permission(session, f"MCP server {name}", {"command": command},
+                                f"$ {command}")
+    return allowed
+
+
+def stop_mcp(session):
+    """Stop every MCP server this session started."""
+    for server in session.servers:
+        server.stop()
+    session.servers.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# 16. Sub-agents: a fresh loop for one task
+# ----------------------------------------------------------------------------------------------
+# A long search fills the conversation with tool results the main task will never need again.
+# The task tool hands such a piece of work to a helper: the same loop, a transcript of its own,
+# the reading tools only, and no task tool (so no helper starts another). Only its final answer
+# comes back, with what it cost; its tool calls show on stderr, indented under the parent's.
+
+TASK = function(
+    "task",
+    "Hand a self-contained piece of research to a helper agent: it starts a fresh conversation "
+    "with the reading tools only (list_dir, read_file, search, find_files), works until it can "
+    "answer, and returns only its answer. Use it for broad searches whose details you do not "
+    "need to keep. It sees nothing of this conversation, so the prompt must say everything.",
+    required=["description", "prompt"],
+    description=string("a few words on what it is for, shown to the user"),
+    prompt=string("the whole task, with every detail the helper needs"))
+
+
+def add_task_tool(session):
+    """Offer the task tool in this session."""
+    session.tools.append(TASK)
+    session.handlers["task"] = lambda arguments: plan_task(session, arguments)
+    session.serial.add("task")   # one at a time, in the main thread, free of the time limit
+
+
+def plan_task(session, arguments) -> Plan:
+    """The task tool's Plan: nothing to approve, since the helper can only read."""
+    prompt, description = arguments.get("prompt"), arguments.get("description") or "task"
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ToolError("missing_parameter", "task needs 'prompt' (string): the whole task")
+    return Plan(f"task: {description}", lambda: run_task(session, str(description), prompt),
+                ask=False)
+
+
+def run_task(session, description, prompt) -> str:
+    """Run a helper's whole loop on prompt; its answer, and the rounds and tokens it took."""
+    helper = new_session(dataclasses.replace(session.cfg, read_only=True),
+                         session.transport if session.cfg.demo else None)
+    helper.indent, helper.sinks = session.indent + "    ", session.sinks
+    helper.token_param, helper.stream_options = session.token_param, session.stream_options
+    answer = run_turn(helper, prompt)
+    used = helper.usage
+    return (f"{answer}\n\n[task {description!r}: {used['rounds']} rounds, "
+            f"{used['prompt'] + used['generated']:,} tokens]")
+
+
+# ----------------------------------------------------------------------------------------------
+# 17. Sessions that survive
+# ----------------------------------------------------------------------------------------------
+# Every conversation is saved as it goes, one JSON line per message, in a file per session
+# under the user's state directory, grouped by workspace. A crash or Ctrl+C loses at most the
+# message being written. --continue picks up the latest session of this workspace, --resume ID
+# a given one; a transcript read back is repaired before it is sent (today's system prompt,
+# every tool call answered), since it may have stopped anywhere.
+
+def sessions_dir(cfg) -> str:
+    """The folder that holds this workspace's sessions."""
+    readable = re.sub(r"[^\w.-]+", "-", cfg.root).strip("-")[-60:]
+    return os.path.join(cfg.state, "sessions",
+                        f"{readable}-{hashlib.sha1(cfg.root.encode()).hexdigest()[:8]}")
+
+
+def save(session, whole=False):
+    """Write the messages not yet saved, one JSON line each; all of them if whole."""
+    if not session.path:
+        return
+    if whole or session.saved > len(session.messages):   # a compaction rewrote the transcript
+        temporary = session.path + ".new"
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(m) + "\n" for m in session.messages)
+        os.replace(temporary, session.path)
+    else:
+        with open(session.path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(m) + "\n" for m in session.messages[session.saved:])
+    session.saved = len(session.messages)
+
+
+def start_saving(session):
+    """Give the session a new file to be saved in, named by its start time."""
+    folder = sessions_dir(session.cfg)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    name = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
+    session.path, session.saved = os.path.join(folder, name + ".jsonl"), 0
+    save(session)
+
+
+def saved_sessions(cfg) -> list:
+    """This workspace's saved sessions, oldest first, as (id, path)."""
+    folder = sessions_dir(cfg)
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")) \
+        if os.path.isdir(folder) else []
+    return [(n[:-len(".jsonl")], os.path.join(folder, n)) for n in names]
+
+
+def resume(session, wanted):
+    """Continue a saved session ("" for the latest of this workspace): load, repair, adopt."""
+    found = saved_sessions(session.cfg)
+    found = [(i, p) for i, p in found if i == wanted] if wanted else found[-1:]
+    if not found:
+        raise UsageError(f"no saved session {wanted!r} for {session.cfg.root}; /sessions "
+                         f"lists them" if wanted else f"no saved session for {session.cfg.root}")
+    with open(found[0][1], encoding="utf-8", errors="replace") as f:
+        messages = [m for m in map(json_line, f) if isinstance(m, dict)]
+    session.messages[:] = repair(messages, session.system)
+    session.call_ids.update(c["id"] for m in session.messages for c in m.get("tool_calls", []))
+    session.path = found[0][1]
+    save(session, whole=True)
+    session.say(f"(resumed session {found[0][0]}: {len(session.messages)} messages)", DIM)
+
+
+def json_line(line):
+    """One line of a saved session as JSON, or None if it was cut off or damaged."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+
+
+def repair(messages, system) -> list:
+    """A saved transcript made fit to send again: the current system prompt (with the saved
+    summary, if any), strings for content, every tool call answered once, in order."""
+    first = messages[0] if messages and messages[0].get("role") == "system" else {}
+    summary = text_of(first.get("content")).partition(SUMMARY_HEADER)[2]
+    fixed = [{"role": "system", "content": system + (SUMMARY_HEADER + summary if summary else "")}]
+    for message in messages[1:] if first else messages:
+        role = message.get("role")
+        if role == "tool":
+            waiting = [c["id"] for c in open_calls(fixed)]
+            if message.get("tool_call_id") in waiting:   # else it answers nothing: dropped
+                fixed.append({"role": "tool", "tool_call_id": message["tool_call_id"],
+                              "content": text_of(message.get("content"))})
+            continue
+        settle(fixed, "[interrupted: the session stopped here]", close=False)
+        if role == "user":
+            fixed.append({"role": "user", "content": text_of(message.get("content"))})
+        elif role == "assistant":
+            calls = [{"id": c["id"], "type": "function", "function": {
+                "name": str(c["function"].get("name") or ""),
+                "arguments": json_arguments(c["function"].get("arguments"))}}
+                for c in message.get("tool_calls") or [] if isinstance(c, dict) and
+                isinstance(c.get("id"), str) and isinstance(c.get("function"), dict)]
+            fixed.append(dict({"role": "assistant", "content": text_of(message.get("content"))},
+                              **({"tool_calls": calls} if calls else {})))
+    settle(fixed, "[interrupted: the session stopped here]")
+    return fixed
+
+
+# ----------------------------------------------------------------------------------------------
+# 18. The terminal
 # ----------------------------------------------------------------------------------------------
 # One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
 # A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
@@ -2386,14 +2865,32 @@ def read_stdin(wait) -> str:
 
 
 def one_shot(session, question) -> int:
-    """Answer one question: the answer on stdout; 0 if there is one, 1 if not."""
-    answer = run_turn(session, question)
-    if not answer.strip():
+    """Answer one question: the answer on stdout (or, for scripts, JSON); the exit code."""
+    calls, failure = [], ""
+    session.sinks.append(lambda e: calls.append(e) if e["type"] == "tool_call" and
+                         not e["depth"] else None)
+    try:
+        answer = run_turn(session, question)
+    except (Fatal, KeyboardInterrupt) as e:
+        if session.cfg.output == "text":
+            raise
+        answer, failure = "", str(e) or "interrupted"
+    used = session.usage
+    outcome = {"answer": answer, "rounds": used["rounds"], "tool_calls": [
+        {k: c[k] for k in ("name", "arguments", "ok", "seconds")} for c in calls],
+        "usage": {"prompt_tokens": used["prompt"], "cached_tokens": used["cached"],
+                  "completion_tokens": used["generated"], "seconds": round(used["seconds"], 3)},
+        "exit_reason": session.exit_reason if answer.strip() or failure else "empty_answer"}
+    if failure:
+        outcome["error"] = failure
+    session.emit("done", **outcome)
+    if session.cfg.output == "json":
+        print(json.dumps(outcome))
+    elif session.cfg.output == "text" and not answer.strip():
         print("agent: the model gave an empty answer", file=sys.stderr)
-        return 1
-    if "content" not in session.shown:   # not streamed onto the screen already
+    elif session.cfg.output == "text" and "content" not in session.shown:   # not streamed
         print(printable(answer) if sys.stdout.isatty() else answer)
-    return 0
+    return 0 if answer.strip() else 130 if session.exit_reason == "interrupted" else 1
 
 
 REPL_HELP = """\
@@ -2401,10 +2898,46 @@ Ask anything about the code in {root}, or ask for a change. Commands:
   /help       this text
   /compact    summarise the conversation so far, to free context
   /usage      tokens and seconds spent in this session
+  /mcp        the MCP servers, their state and their tools
+  /sessions   the saved sessions of this workspace (--resume ID goes on with one)
   /clear      forget the conversation and start over
   /quit       leave (Ctrl+D does too)
   !COMMAND    run a shell command yourself; its output goes to the model with your next message
 Ctrl+C stops the current request, tool or command; the conversation is kept."""
+
+
+def command(session, line):
+    """Carry out one of the REPL's slash commands."""
+    if line == "/help":
+        session.say(REPL_HELP.format(root=session.cfg.root))
+    elif line == "/clear":
+        session.messages[:] = [{"role": "system", "content": session.system}]
+        session.last_prompt = (0, 0)
+        start_saving(session) if session.path else None
+        session.say("(conversation cleared)", DIM)
+    elif line == "/compact":
+        compact(session, "asked for with /compact")
+    elif line == "/usage":
+        total = session.usage
+        session.say(f"{total['rounds']:,} rounds: {total['prompt']:,} prompt tokens "
+                    f"({total['cached']:,} of them cached), {total['generated']:,} "
+                    f"generated, {total['seconds']:.1f} s waiting for the model")
+    elif line == "/mcp":
+        for server in session.servers or []:
+            tools = ", ".join(t["name"] for t in server.tools) or "no tools"
+            session.say(f"{server.name}: {server.state} {server.version} — {tools}")
+        if not session.servers:
+            session.say("no MCP servers (.mcp.json at the root, or --mcp FILE, adds them)", DIM)
+    elif line == "/sessions":
+        for number, path in saved_sessions(session.cfg)[-20:]:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = [json_line(x) for x in f]
+            asked = next((m["content"] for m in lines if isinstance(m, dict) and
+                          m.get("role") == "user"), "")
+            mark = " (this one)" if path == session.path else ""
+            session.say(f"{number}{mark}: {len(lines)} messages; {one_line(str(asked), 60)}")
+    else:
+        session.say(f"unknown command {line.split()[0]}; /help lists them", YELLOW)
 
 
 def repl(session) -> int:
@@ -2432,21 +2965,9 @@ def repl(session) -> int:
         if line in ("/quit", "/exit"):
             break
         try:
-            if line == "/help":
-                session.say(REPL_HELP.format(root=session.cfg.root))
-            elif line == "/clear":
-                session.messages[:] = [{"role": "system", "content": session.system}]
-                session.last_prompt, ran = (0, 0), []
-                session.say("(conversation cleared)", DIM)
-            elif line == "/compact":
-                compact(session, "asked for with /compact")
-            elif line == "/usage":
-                total = session.usage
-                session.say(f"{total['rounds']:,} rounds: {total['prompt']:,} prompt tokens "
-                            f"({total['cached']:,} of them cached), {total['generated']:,} "
-                            f"generated, {total['seconds']:.1f} s waiting for the model")
-            elif line.startswith("/"):
-                session.say(f"unknown command {line.split()[0]}; /help lists them", YELLOW)
+            if line.startswith("/"):
+                command(session, line)
+                ran = [] if line == "/clear" else ran
             elif line.startswith("!"):   # the user's own command: no approval needed
                 output = run_command(session.cfg, line[1:], SHELL_TIMEOUT)
                 print(output, flush=True)
@@ -2475,7 +2996,7 @@ def repl(session) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. The demo: a scripted model
+# 19. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -2547,8 +3068,30 @@ def demo(cfg) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. main()
+# 20. main()
 # ----------------------------------------------------------------------------------------------
+
+def start_session(cfg) -> Session:
+    """A session as the command line asks for it: shown on the terminal, its MCP servers
+    started, saved as it goes (or resumed), traced if asked."""
+    session = new_session(cfg)
+    screen = Screen(session, clock=sys.stderr.isatty())
+    session.show = screen.show if cfg.output == "text" else None
+    session.transport = screen.send(lambda body: post_chat(session, body))
+    if cfg.trace:
+        trace = open(cfg.trace, "a", encoding="utf-8")
+        session.sinks.append(lambda event: (trace.write(json.dumps(event) + "\n"),
+                                            trace.flush()))
+    if cfg.output == "jsonl":
+        session.sinks.append(lambda event: print(json.dumps(event), flush=True))
+    start_mcp(session)
+    add_task_tool(session)
+    if cfg.resume is None:
+        start_saving(session)
+    else:
+        resume(session, cfg.resume)
+    return session
+
 
 def main(argv=None) -> int:
     """Run what the command line asks for; return the exit code (0 ok, 1 failed, 2 usage)."""
@@ -2561,7 +3104,7 @@ def main(argv=None) -> int:
             return demo(cfg)
         if cfg.tool:
             name, arguments = cfg.tool
-            result = execute(cfg, name, arguments)
+            result = execute(cfg, name, arguments, tools_for(cfg, find_skills(cfg.root)))
             print(result)
             return 1 if result.startswith("error:") else 0
         question = cfg.question.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
@@ -2569,15 +3112,15 @@ def main(argv=None) -> int:
         stdin = read_stdin(wait=STDIN_WAIT if question else None) if piped else ""
         if stdin.strip():
             question = f"{question}\n\n<stdin>\n{stdin}\n</stdin>" if question else stdin
-        session = new_session(cfg)
-        screen = Screen(session, clock=sys.stderr.isatty())
-        session.show = screen.show
-        session.transport = screen.send(lambda body: post_chat(session, body))
-        if question.strip():
-            return one_shot(session, question)
-        if piped:
-            raise UsageError("no question: give one as an argument, or pipe some text in")
-        return repl(session)
+        session = start_session(cfg)
+        try:
+            if question.strip():
+                return one_shot(session, question)
+            if piped:
+                raise UsageError("no question: give one as an argument, or pipe some text in")
+            return repl(session)
+        finally:
+            stop_mcp(session)
     except Fatal as e:
         print(f"agent: {e}", file=sys.stderr)
         return e.exit_code

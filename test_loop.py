@@ -936,7 +936,7 @@ class ApprovalTest(unittest.TestCase):
             cli(["--read-only", "q"], url=s.url)
             names = [t["function"]["name"] for t in s.bodies()[0]["tools"]]
             result = s.bodies()[1]["messages"][-1]["content"]
-        self.assertEqual(names, ["list_dir", "read_file", "search", "find_files"])
+        self.assertEqual(names, ["list_dir", "read_file", "search", "find_files", "task"])
         self.assertTrue(result.startswith("error: unknown_tool: there is no tool 'run_shell'"))
         everything = [t["function"]["name"] for t in agent.new_session(CFG).tools]
         self.assertEqual(everything[-3:], ["write_file", "edit_file", "run_shell"])
@@ -1628,6 +1628,7 @@ class LoopTest(unittest.TestCase):
                 with contextlib.redirect_stderr(io.StringIO()):
                     with self.assertRaises(KeyboardInterrupt):
                         agent.run_turn(session, "q")
+                    time.sleep(0.1)   # the reads that were running finish, quietly
         assert_valid(self, session.messages)
         self.assertEqual([m["content"][:18] for m in session.messages[-3:]],
                          ["error: interrupted", "error: interrupted", "[interrupted by th"])
