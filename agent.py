@@ -2468,14 +2468,17 @@ class McpServer:
         except (OSError, ValueError):   # the pipe is closed: the server has gone
             raise McpError(f"MCP server {self.name} has exited (its log: {self.log})") from None
 
-    def request(self, method, params, timeout=MCP_SECONDS):
+    def request(self, method, params):
         """Send a request and wait for its answer: the result, or an McpError."""
         number, waiting = next(self.ids), [threading.Event()]
         self.pending[number] = waiting
+        if self.state == "exited":   # subtle: the reader may have stopped before we asked
+            waiting[0].set()
         self.send({"jsonrpc": "2.0", "id": number, "method": method, "params": params})
-        if not waiting[0].wait(timeout):
+        if not waiting[0].wait(MCP_SECONDS):
             self.pending.pop(number, None)
-            raise McpError(f"MCP server {self.name} did not answer {method} within {timeout} s")
+            raise McpError(f"MCP server {self.name} did not answer {method} within "
+                           f"{MCP_SECONDS} s")
         if len(waiting) == 1:
             raise McpError(f"MCP server {self.name} exited during {method} (its log: {self.log})")
         error = waiting[1].get("error")
@@ -2526,6 +2529,7 @@ class McpServer:
             pass
         kill_group(self.process.pid, self.process.poll)
         self.process.wait()
+        self.process.stdout.close()
 
 
 def describe_content(item) -> str:
@@ -2536,7 +2540,8 @@ def describe_content(item) -> str:
     if kind == "text":
         return str(item.get("text", ""))
     if kind in ("image", "audio"):
-        size = len(str(item.get("data", ""))) * 3 // 4
+        data = str(item.get("data", ""))   # base64: 4 characters for every 3 bytes
+        size = len(data) * 3 // 4 - data.count("=")
         return f"[{kind}: {item.get('mimeType', 'unknown type')}, {human_size(size)}]"
     if kind == "resource" and isinstance(item.get("resource"), dict):
         resource = item["resource"]
@@ -2566,6 +2571,8 @@ def start_mcp(session):
         thread.join(MCP_SECONDS + 1)
     for server in servers:
         session.servers.append(server)
+        if server.state == "starting":
+            server.state = f"failed: it did not start within {MCP_SECONDS} s"
         if server.state != "ready":
             session.say(f"mcp: {server.name}: {server.state}", YELLOW)
             continue
@@ -2736,19 +2743,25 @@ def json_line(line):
 
 def repair(messages, system) -> list:
     """A saved transcript made fit to send again: the current system prompt (with the saved
-    summary, if any), strings for content, every tool call answered once, in order."""
+    summary, if any), strings for content, and every tool call answered once, in order."""
     first = messages[0] if messages and messages[0].get("role") == "system" else {}
     summary = text_of(first.get("content")).partition(SUMMARY_HEADER)[2]
     fixed = [{"role": "system", "content": system + (SUMMARY_HEADER + summary if summary else "")}]
+    results = {}   # tool_call_id -> result, for the calls of the last assistant message
+
+    def close_group():
+        """Put the results of the last calls in their order; the missing ones interrupted."""
+        for call in open_calls(fixed):
+            fixed.append({"role": "tool", "tool_call_id": call["id"], "content": results.get(
+                call["id"], "error: interrupted: [the session stopped here]")})
+        results.clear()
+
     for message in messages[1:] if first else messages:
         role = message.get("role")
-        if role == "tool":
-            waiting = [c["id"] for c in open_calls(fixed)]
-            if message.get("tool_call_id") in waiting:   # else it answers nothing: dropped
-                fixed.append({"role": "tool", "tool_call_id": message["tool_call_id"],
-                              "content": text_of(message.get("content"))})
+        if role == "tool":   # kept if it answers one of the last calls; else dropped
+            results.setdefault(message.get("tool_call_id"), text_of(message.get("content")))
             continue
-        settle(fixed, "[interrupted: the session stopped here]", close=False)
+        close_group()
         if role == "user":
             fixed.append({"role": "user", "content": text_of(message.get("content"))})
         elif role == "assistant":
@@ -2759,6 +2772,7 @@ def repair(messages, system) -> list:
                 isinstance(c.get("id"), str) and isinstance(c.get("function"), dict)]
             fixed.append(dict({"role": "assistant", "content": text_of(message.get("content"))},
                               **({"tool_calls": calls} if calls else {})))
+    close_group()
     settle(fixed, "[interrupted: the session stopped here]")
     return fixed
 

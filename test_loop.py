@@ -1647,6 +1647,286 @@ class LoopTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
+# 7b. Extensions: MCP, sub-agents, saved sessions, output for scripts
+# ----------------------------------------------------------------------------------------------
+
+# A small MCP server, standard library only, for the tests: it speaks JSON-RPC on stdin and
+# stdout, lists its tools in two pages, and has a tool for each thing that can go wrong.
+MCP_SERVER = r'''
+import json, sys, time
+if "slow" in sys.argv:
+    time.sleep(0.5)
+if "mute" in sys.argv:
+    time.sleep(60)
+TOOLS = [{"name": "echo", "description": "Say it back", "annotations": {"readOnlyHint": True},
+          "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}},
+         {"name": "fail", "description": "Always fails"},
+         {"name": "ask_back", "description": "Asks the client things mid-call"},
+         {"name": "crash", "description": "Dies mid-call"},
+         {"name": "picture", "description": "Returns an image and text",
+          "annotations": {"readOnlyHint": True}},
+         {"name": "a.name with/odd chars" + "x" * 70, "description": "A long, odd name",
+          "annotations": {"readOnlyHint": True}}]
+
+
+def send(message):
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def result(request, content, **more):
+    send({"jsonrpc": "2.0", "id": request["id"], "result": dict({"content": content}, **more)})
+
+
+for line in sys.stdin:
+    request = json.loads(line)
+    method = request.get("method")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": request["id"], "result": {
+            "protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+            "serverInfo": {"name": "test", "version": "1"}}})
+    elif method == "tools/list":
+        second = (request.get("params") or {}).get("cursor") == "page2"
+        page = {"tools": TOOLS[3:]} if second else {"tools": TOOLS[:3], "nextCursor": "page2"}
+        send({"jsonrpc": "2.0", "id": request["id"], "result": page})
+    elif method == "tools/call":
+        name, arguments = request["params"]["name"], request["params"].get("arguments") or {}
+        if name == "echo":
+            result(request, [{"type": "text", "text": "echo: " + arguments.get("text", "")}])
+        elif name == "fail":
+            result(request, [{"type": "text", "text": "it broke"}], isError=True)
+        elif name == "ask_back":
+            send({"jsonrpc": "2.0", "id": 0, "method": "ping"})
+            send({"jsonrpc": "2.0", "id": "r1", "method": "roots/list"})
+            send({"jsonrpc": "2.0", "method": "notifications/progress", "params": {}})
+            answers = [json.loads(sys.stdin.readline()) for _ in range(2)]
+            result(request, [{"type": "text", "text": json.dumps(answers, sort_keys=True)}])
+        elif name == "crash":
+            sys.exit(3)
+        elif name == "picture":
+            result(request, [{"type": "image", "data": "aGVsbG8gd29ybGQ=", "mimeType":
+                              "image/png"}, {"type": "text", "text": "a picture"}])
+        else:
+            result(request, [{"type": "text", "text": "odd one: " + name}])
+    elif "id" in request:
+        send({"jsonrpc": "2.0", "id": request["id"], "error": {"code": -32601,
+                                                               "message": "no such method"}})
+'''
+
+
+def mcp_config(*modes):
+    """An --mcp file that starts the test server (in the given modes) as "test"."""
+    server = os.path.join(STATE, "mcp_server.py")
+    with open(server, "w") as f:
+        f.write(MCP_SERVER)
+    path = os.path.join(STATE, "mcp-%s.json" % "-".join(modes or ("plain",)))
+    with open(path, "w") as f:
+        json.dump({"mcpServers": {"test": {"command": sys.executable,
+                                           "args": [server, *modes]}}}, f)
+    return path
+
+
+class McpTest(unittest.TestCase):
+
+    def start(self, url="http://127.0.0.1:9/v1", *modes, flags=("--yes",)):
+        """A session with the test MCP server started in it."""
+        session = agent.new_session(config(url, "--mcp", mcp_config(*modes), *flags,
+                                           XDG_STATE_HOME=STATE))
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            agent.start_mcp(session)
+        self.addCleanup(agent.stop_mcp, session)
+        return session, err.getvalue()
+
+    def call(self, session, name, **arguments):
+        return agent.execute(session.cfg, name, json.dumps(arguments), session.tools,
+                             None, session.handlers)
+
+    def test_handshake_and_pages_of_tools(self):
+        """initialize, initialized, then tools/list to the last page; names made to fit."""
+        session, _ = self.start()
+        server = session.servers[0]
+        self.assertEqual((server.state, server.version), ("ready", "2025-06-18"))
+        names = [t["function"]["name"] for t in session.tools if t["function"]["name"]
+                 .startswith("mcp__")]
+        self.assertEqual(names[:5], ["mcp__test__echo", "mcp__test__fail", "mcp__test__ask_back",
+                                     "mcp__test__crash", "mcp__test__picture"])
+        odd = names[5]
+        self.assertRegex(odd, r"^[a-zA-Z0-9_-]{1,64}$")
+        self.assertTrue(self.call(session, odd).startswith("odd one: a.name with/odd chars"))
+        self.assertEqual(self.call(session, "mcp__test__echo", text="hi"), "echo: hi")
+        self.assertEqual(self.call(session, "mcp__test__picture"),
+                         "[image: image/png, 11 B]\na picture")
+
+    def test_tool_errors_server_requests_and_crashes_are_results(self):
+        """isError and a crash mid-call are error results; the server's own requests (ping,
+        with id 0) are answered, unknown ones refused; notifications ignored."""
+        session, _ = self.start()
+        self.assertEqual(self.call(session, "mcp__test__fail"),
+                         "error: mcp_tool_error: test fail: it broke")
+        answers = json.loads(self.call(session, "mcp__test__ask_back"))
+        self.assertEqual(answers[0], {"id": 0, "jsonrpc": "2.0", "result": {}})
+        self.assertEqual((answers[1]["id"], answers[1]["error"]["code"]), ("r1", -32601))
+        crashed = self.call(session, "mcp__test__crash")
+        self.assertTrue(crashed.startswith("error: mcp_error: MCP server test exited"), crashed)
+        after = self.call(session, "mcp__test__echo", text="x")
+        self.assertTrue(after.startswith("error: mcp_error: MCP server test "), after)
+        self.assertIn("exited", after)
+
+    def test_a_slow_start_waits_and_a_mute_one_is_a_warning(self):
+        """A server that takes a moment is waited for; one that never answers is named in a
+        one-line warning, and the session goes on without it."""
+        session, _ = self.start("http://127.0.0.1:9/v1", "slow")
+        self.assertEqual(session.servers[0].state, "ready")
+        with unittest.mock.patch.object(agent, "MCP_SECONDS", 0.3):
+            session, warning = self.start("http://127.0.0.1:9/v1", "mute")
+        self.assertIn("mcp: test: failed: MCP server test did not answer initialize", warning)
+        self.assertFalse([t for t in session.tools if "mcp__" in t["function"]["name"]])
+
+    def test_tools_not_marked_read_only_ask_first(self):
+        """Without readOnlyHint a tool asks first: with no terminal to ask on, it is refused."""
+        script = [calls(tool_call("mcp__test__fail"), tool_call("mcp__test__echo", text="ok")),
+                  reply("done")]
+        with CannedServer(script) as server:
+            code, _, err = cli(["--mcp", mcp_config(), "q"], url=server.url)
+            results = [m["content"] for m in server.bodies()[1]["messages"] if m["role"] == "tool"]
+        self.assertTrue(results[0].startswith("error: denied: this session has no terminal"))
+        self.assertEqual(results[1], "echo: ok")
+
+    def test_a_workspace_mcp_json_starts_only_when_allowed(self):
+        """A .mcp.json in the workspace could run anything: its servers start only on a yes."""
+        with open(os.path.join(WORK, ".mcp.json"), "w") as f:
+            with open(mcp_config()) as source:
+                f.write(source.read())
+        self.addCleanup(os.unlink, os.path.join(WORK, ".mcp.json"))
+        with CannedServer([reply("a"), reply("b")]) as server:
+            cli(["q"], url=server.url)
+            cli(["--yes", "q"], url=server.url)
+            tools = [[t["function"]["name"] for t in b["tools"]] for b in server.bodies()]
+        self.assertNotIn("mcp__test__echo", tools[0])
+        self.assertIn("mcp__test__echo", tools[1])
+
+    def test_expand_variables(self):
+        """${VAR} and ${VAR:-default} are filled in from the environment."""
+        self.assertEqual(agent.expand({"a": ["${X}", "${Y:-dflt}", "${X:-no}"]}, {"X": "1"}),
+                         {"a": ["1", "dflt", "1"]})
+
+
+class SubAgentTest(unittest.TestCase):
+
+    def test_a_task_runs_a_fresh_read_only_loop(self):
+        """task runs a helper with its own transcript and the reading tools only; the parent
+        gets its answer and what it cost; its calls show indented."""
+        script = [calls(tool_call("task", description="find greet", prompt="Where is greet?")),
+                  calls(tool_call("search", pattern="def greet")),
+                  reply("greet is at hello.py:1"), reply("done")]
+        with CannedServer(script) as server:
+            session = agent.new_session(config(server.url))
+            agent.add_task_tool(session)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                self.assertEqual(agent.run_turn(session, "q"), "done")
+            helper_first, parent_last = server.bodies()[1], server.bodies()[3]
+        self.assertEqual([m["role"] for m in helper_first["messages"]], ["system", "user"])
+        self.assertEqual(helper_first["messages"][1]["content"], "Where is greet?")
+        self.assertEqual([t["function"]["name"] for t in helper_first["tools"]],
+                         ["list_dir", "read_file", "search", "find_files"])
+        result = parent_last["messages"][-1]["content"]
+        self.assertTrue(result.startswith("greet is at hello.py:1\n\n[task 'find greet': 2 "
+                                          "rounds"), result)
+        self.assertIn("\n    ⚙ search", err.getvalue())
+
+
+class SessionFileTest(unittest.TestCase):
+
+    def test_a_session_killed_mid_turn_goes_on_with_continue(self):
+        """Every message is saved as it comes; after a kill, --continue repairs the transcript
+        (the open call answered as interrupted) and carries on."""
+        naptime = "%.4f" % (400 + random.random())
+        state = tempfile.mkdtemp(dir=STATE)
+        with CannedServer([calls(tool_call("run_shell", command="sleep " + naptime)),
+                           reply("carried on")]) as server:
+            env = dict(os.environ, LLM_URL=server.url, LLM_MODEL="m", AGENT_ROOT=WORK,
+                       XDG_STATE_HOME=state, NO_COLOR="1")
+            p = subprocess.Popen([sys.executable, AGENT, "--yes", "first question"], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+            while not subprocess.run(["pgrep", "-f", "sleep " + naptime],
+                                     capture_output=True).stdout:
+                time.sleep(0.05)
+            p.kill()   # no chance to tidy up: as if the machine had gone
+            p.wait()
+            subprocess.run(["pkill", "-f", "sleep " + naptime])
+            code, out, _ = cli(["--continue", "second question"], url=server.url,
+                               env={"XDG_STATE_HOME": state})
+            sent = server.bodies()[-1]["messages"]
+        self.assertEqual((code, out), (0, "carried on\n"))
+        self.assertEqual([m["role"] for m in sent],
+                         ["system", "user", "assistant", "tool", "assistant", "user"])
+        self.assertEqual(sent[1]["content"], "first question")
+        self.assertTrue(sent[3]["content"].startswith("error: interrupted"))
+        self.assertEqual(sent[5]["content"], "second question")
+        assert_valid(self, sent)
+
+    def test_repair_makes_any_saved_transcript_sendable(self):
+        """A transcript cut anywhere, or damaged, comes back valid: calls answered once."""
+        messy = [{"role": "system", "content": "old prompt" + agent.SUMMARY_HEADER + "sum"},
+                 {"role": "user", "content": "q"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "a", "type": "function", "function": {"name": "x", "arguments": "{"}},
+                     {"id": "b", "type": "function", "function": {"name": "y", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "b", "content": "fine"},
+                 {"role": "tool", "tool_call_id": "zz", "content": "answers nothing"},
+                 {"role": "user", "content": ["part"]}]
+        fixed = agent.repair(messy, "new prompt")
+        assert_valid(self, fixed)
+        self.assertEqual(fixed[0]["content"], "new prompt" + agent.SUMMARY_HEADER + "sum")
+        self.assertEqual([m["role"] for m in fixed],
+                         ["system", "user", "assistant", "tool", "tool", "user", "assistant"])
+        self.assertEqual(fixed[2]["tool_calls"][0]["function"]["arguments"], "{}")
+
+
+class ScriptOutputTest(unittest.TestCase):
+    SCRIPT = [dict(calls(tool_call("list_dir"), tool_call("read_file", path="nope")),
+                   extra={"usage": {"prompt_tokens": 50, "completion_tokens": 5}}),
+              dict(reply("done"), extra={"usage": {"prompt_tokens": 80, "completion_tokens": 1}})]
+
+    def test_json_prints_one_object(self):
+        """--json: answer, rounds, tool_calls (name, arguments, ok, seconds), usage, reason."""
+        with CannedServer(list(self.SCRIPT)) as server:
+            code, out, _ = cli(["--json", "q"], url=server.url)
+        result = json.loads(out)
+        self.assertEqual(code, 0)
+        self.assertEqual((result["answer"], result["rounds"], result["exit_reason"]),
+                         ("done", 2, "answer"))
+        self.assertEqual([(c["name"], c["ok"]) for c in result["tool_calls"]],
+                         [("list_dir", True), ("read_file", False)])
+        self.assertEqual((result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]),
+                         (130, 6))
+        with CannedServer([{"status": 401, "body": {"error": "bad key"}}]) as server:
+            code, out, _ = cli(["--json", "q"], url=server.url)
+        self.assertEqual((code, json.loads(out)["exit_reason"]), (1, "error"))
+
+    def test_jsonl_and_trace_tell_each_event(self):
+        """--jsonl prints events as they happen, the result last; --trace writes them to a file
+        with times, durations, token counts and outcomes."""
+        trace = os.path.join(STATE, "trace.jsonl")
+        with CannedServer(list(self.SCRIPT)) as server:
+            _, out, _ = cli(["--jsonl", "--trace", trace, "q"], url=server.url)
+        events = [json.loads(line) for line in out.splitlines()]
+        self.assertEqual([e["type"] for e in events],
+                         ["model_call", "tool_call", "tool_call", "model_call", "done"])
+        self.assertEqual(events[-1]["answer"], "done")
+        with open(trace) as f:
+            traced = [json.loads(line) for line in f]
+        self.assertEqual([e["type"] for e in traced], [e["type"] for e in events])
+        self.assertEqual((traced[0]["prompt_tokens"], traced[0]["finish_reason"]),
+                         (50, "tool_calls"))
+        self.assertTrue(all(e["time"] > 0 for e in traced))
+        self.assertIn("seconds", traced[1])
+
+
+
+# ----------------------------------------------------------------------------------------------
 # 8. The terminal
 # ----------------------------------------------------------------------------------------------
 
