@@ -833,7 +833,7 @@ class ExecutorTest(unittest.TestCase):
         ("read_file", '{"path": "src/nope.py"}', "error: not_found:", "list_dir with path 'src'"),
         ("list_dir", '{"path": "nope/deeper"}', "error: not_found:", "list_dir with path '.'"),
         ("read_file", '{"path": "../outside/secret.txt"}', "error: outside_root:", "outside"),
-        ("read_file", '{"path": "image.png"}', "error: binary_file:", "search"),
+        ("read_file", '{"path": "image.png"}', "error: binary_file:", "run_shell"),
         ("search", '{"pattern": "greet("}', "error: bad_regex:", "missing ), unterminated"),
         ("list_dir", '{"path": "hello.py"}', "error: not_a_directory:", "read_file"),
         ("read_file", '{"path": "\\ud800"}', "error: bad_path:", "relative to the"),
