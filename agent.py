@@ -64,7 +64,6 @@ beyond the user's approval (a command the user allows can do what the user can).
 import argparse
 import base64
 import collections
-import concurrent.futures
 import ctypes
 import dataclasses
 import difflib
@@ -94,6 +93,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from typing import Callable, Optional
 
 try:
@@ -286,7 +286,7 @@ def load_config(argv=None, environ=None) -> Config:
         context=parse_number(pick(args.context, "AGENT_CONTEXT", default=0), "AGENT_CONTEXT"),
         shell=shutil.which("bash", path=env.get("PATH")) or "/bin/sh",
         ripgrep=shutil.which("rg", path=env.get("PATH")) or "",
-        stream=not args.no_stream and (env.get("LLM_STREAM") is None or env_flag(env["LLM_STREAM"])),
+        stream=not args.no_stream and env_flag(env.get("LLM_STREAM", "1")),
         verbose=args.verbose,
         shell_env={k: v for k, v in env.items()   # commands never see the API key
                    if k not in ("LLM_API_KEY", "OPENAI_API_KEY") and v != (api_key or None)},
@@ -359,6 +359,7 @@ class Session:
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
     always: set = dataclasses.field(default_factory=set)     # tools the user always allows
     changes: int = 0                       # changes made so far: a repeat after one is new
+    interrupted: bool = False              # Ctrl+C ended the turn: reads left running hush
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
     # the server (sections 13-16)
     transport: Optional[Callable] = None   # request body -> reply JSON: post_chat, or a script
@@ -892,7 +893,9 @@ def check_glob(pattern) -> list:
     try:
         for p in patterns:
             for part in p.split("/"):
-                re.compile(fnmatch.translate(part))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    re.compile(fnmatch.translate(part))
     except re.error as e:
         raise ToolError("bad_glob", f"{pattern!r} is not a valid glob ({e}); use *, ?, **, "
                         f"[abc] and {{a,b}}") from None
@@ -1006,12 +1009,29 @@ def find_files(cfg, pattern):
 
 # A pattern that can match a newline or see past the end of a line ([^x], \s, \n, (?s), a
 # negative lookaround, \A, \Z) would run across lines, and for long, on a whole text at once.
-CROSSES_LINES = re.compile(r"\[\^|\\[sWDnAZ]|\(\?<?!|\(\?[a-zA-Z]*s|\n|\\x0[aA]|\\0?12|\\u000[aA]")
+CROSSES_LINES = re.compile(r"\\[sWDnANZ]|\(\?<?!|\(\?[a-zA-Z]*s|\n|\\x0[aA]|\\0?12|\\u000[aA]")
+BRACKETS = re.compile(r"\[\^?\]?(?:\\.|[^\]\\])*\]")   # a [...] class, escapes and all
+
+
+def crosses_lines(pattern) -> bool:
+    """True if pattern can match a newline or see past a line's end, so that only a search
+    line by line is exact for it. A [...] class is tried on a newline to see."""
+    if CROSSES_LINES.search(pattern):
+        return True
+    for group in BRACKETS.findall(pattern):
+        try:
+            with warnings.catch_warnings():   # [[:alpha:]] draws a FutureWarning
+                warnings.simplefilter("ignore")
+                if re.match(group, "\n"):
+                    return True
+        except re.error:
+            return True
+    return False
 
 
 def matching_lines(text, regex):
     """Yield (number, line) for each line of text, 1-based, in which regex finds a match."""
-    if CROSSES_LINES.search(regex.pattern):   # the slow, exact way: one line at a time
+    if crosses_lines(regex.pattern):   # the slow, exact way: one line at a time
         lines = text.split("\n")
         if lines[-1] == "":                    # the text ended with a newline: no line after
             lines.pop()
@@ -1043,7 +1063,7 @@ NOT_BYTE_SAFE = re.compile(r"\\[wWdDsSbBpPNuUx0-9]|(?<!\\)\.|\[\^|\(\?[a-zA-Z]*i
 
 def byte_prefilter(pattern) -> Optional["re.Pattern"]:
     """A bytes regex that finds a file's every match of pattern, or None if there is none."""
-    if NOT_BYTE_SAFE.search(pattern) or CROSSES_LINES.search(pattern):
+    if NOT_BYTE_SAFE.search(pattern) or crosses_lines(pattern):
         return None
     try:
         return re.compile(pattern.encode(), re.MULTILINE)
@@ -1059,19 +1079,26 @@ def scan_file(name, regex, look=None):
         if is_binary(data[:SNIFF]):
             return
         if len(data) <= BLOCK * 8:                 # the usual case: the whole file at once
+            if is_binary(data):                    # a NUL further in: binary all the same
+                return
             if b"\r" in data:
                 data = data.replace(b"\r\n", b"\n")
             if not look or look.search(data):
                 yield from matching_lines(data.decode("utf-8", "replace"), regex)
             return
-        number, carry = 1, b""                     # a huge file: a block at a time
+        number, carry, skip = 1, b"", False       # a huge file: a block at a time
         for block in itertools.chain([data], iter(lambda: f.read(BLOCK), b"")):
             data = carry + block
+            if skip:                               # the rest of a line too long to search
+                end = data.find(b"\n")
+                data, skip, carry = (b"", True, b"") if end < 0 else (data[end + 1:], False, b"")
+                number += end >= 0
             cut = data.rfind(b"\n") + 1            # search whole lines, keep the rest
             if cut == 0 and len(data) < BLOCK * 8:
                 carry = data
                 continue
             chunk, carry = (data[:cut], data[cut:]) if cut else (data, b"")
+            skip = not cut                         # a line of over 8 MB: its start will do
             text = chunk.decode("utf-8", "replace").replace("\r\n", "\n")
             for n, line in matching_lines(text, regex):
                 yield number + n - 1, line
@@ -1108,17 +1135,18 @@ def scan(root, full, regex, only):
 # repository, symlinks not followed, CRLF lines ending before the \r. Patterns it reads
 # differently from Python (lookarounds, backreferences, POSIX classes, set operations) stay
 # with Python; so does any pattern it refuses. Either way the rows come out the same.
-PYTHON_ONLY = re.compile(r"\(\?<?[=!]|\(\?P=|\\[1-9]|\[\[:|&&|--|~~|\\[ZAz]")
+PYTHON_ONLY = re.compile(r"\(\?<?[=!]|\(\?P=|\(\?>|\\[1-9]|\[\[:|&&|--|~~|\\[ZAz]|[*+?}]\+|\x00")
 
 
 def ripgrep(cfg, full, pattern, glob, only):
     """Yield (path, number, line) for every match below full, found by rg; None if it can't."""
-    if not cfg.ripgrep or PYTHON_ONLY.search(pattern):
+    if not cfg.ripgrep or PYTHON_ONLY.search(pattern) or \
+            pattern.encode("utf-8", "ignore").decode() != pattern:   # lone surrogates
         return None
-    command = [cfg.ripgrep, "--json", "--no-config", "--hidden", "--crlf",
+    # subtle: no -g for the glob: rg lets a -g glob override .gitignore. -E none: no BOM
+    # sniffing nor UTF-16 decoding, which the Python scan does not do either.
+    command = [cfg.ripgrep, "--json", "--no-config", "--hidden", "--crlf", "-E", "none",
                "--no-ignore-dot", "--no-messages", "-g", "!.git", "-e", pattern, "--", "."]
-    if glob and "/" not in glob:   # a name glob means the same to rg: let it skip files early
-        command[-4:-4] = ["-g", glob]
     process = subprocess.Popen(command, cwd=full, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     first = process.stdout.readline()
@@ -1129,36 +1157,43 @@ def ripgrep(cfg, full, pattern, glob, only):
 
 
 def read_ripgrep(root, full, process, first, only):
-    """The matches in rg's JSON lines, as (path, number, line)."""
-    prefix = folder_prefix(root, full)
+    """The matches in rg's JSON lines, as (path, number, line), a file's once it has ended."""
+    prefix, found = folder_prefix(root, full), []
     try:
         for raw in itertools.chain([first], process.stdout):
             check_time()
-            if not raw.startswith(b'{"type":"match"'):
-                continue
-            match = json.loads(raw)["data"]
-            path, line = (text_or_bytes(match[k]) for k in ("path", "lines"))
-            path = prefix + path[2:] if path.startswith("./") else prefix + path
-            if not only or glob_match(only, path):
-                yield path, match["line_number"], line.rstrip("\r\n")
+            if raw.startswith(b'{"type":"match"'):
+                match = json.loads(raw)["data"]
+                path, line = text_or_bytes(match["path"], os.fsdecode), \
+                    text_or_bytes(match["lines"], lambda b: b.decode("utf-8", "replace"))
+                path = prefix + path[2:] if path.startswith("./") else prefix + path
+                if not only or glob_match(only, path):
+                    found.append((path, match["line_number"], line.rstrip("\r\n")))
+            elif raw.startswith(b'{"type":"end"'):   # subtle: a NUL late in a file makes it
+                if json.loads(raw)["data"].get("binary_offset") is None:   # binary after all
+                    yield from found
+                found = []
     finally:
         process.kill()
         process.wait()
         process.stdout.close()
 
 
-def text_or_bytes(field) -> str:
-    """A string from rg's JSON, which sends text, or base64 bytes when it is not UTF-8."""
+def text_or_bytes(field, decode) -> str:
+    """A string from rg's JSON, which sends text, or base64 bytes (then decoded) when the
+    bytes are not UTF-8: a path as os.listdir would decode it, a line as the Python scan."""
     if "text" in field:
         return field["text"]
-    return base64.b64decode(field["bytes"]).decode("utf-8", "replace")
+    return decode(base64.b64decode(field["bytes"]))
 
 
 def search(cfg, pattern, path=".", glob=None):
     """Rows 'path:line: text' for every line matching pattern in the text files below path."""
     root = cfg.root
     try:
-        regex = re.compile(pattern, re.MULTILINE)
+        with warnings.catch_warnings():   # [[:alpha:]] and the like draw a FutureWarning
+            warnings.simplefilter("ignore")
+            regex = re.compile(pattern, re.MULTILINE)
     except (re.error, OverflowError, RecursionError) as e:
         raise ToolError("bad_regex", f"{pattern!r} is not a valid Python regular expression "
                         f"({e}). Escape special characters such as ( [ . * + ? with a "
@@ -1866,6 +1901,8 @@ def post_chat(session, body) -> dict:
                 raise Fatal(f"{e}; the server asks to wait {wait:.0f} s, try again later") \
                     from None
             wait += random.uniform(0, wait / 4)    # jitter: many clients do not retry in step
+            if session.shown and session.show:      # half a reply is on the screen
+                session.show("again", "")
             session.say(f"  ↻ {e}; retrying in {wait:.1f} s ({attempt}/{RETRY_ATTEMPTS - 1})",
                         YELLOW)
             time.sleep(wait)
@@ -1949,12 +1986,20 @@ def pick_model(session) -> str:
 # have sent, and that reply goes on through the same normalise() as any other. A stream that
 # ends before [DONE] or a finish_reason is treated as a failed request, never half-used.
 
+BOM = b"\xef\xbb\xbf"   # UTF-8's byte-order mark, which the SSE specification says to skip
+
+
 def sse_events(response):
     """Yield (event, data) for each server-sent event, as soon as its bytes arrive."""
-    pending, event, data = b"", "message", []
+    pending, event, data, first = b"", "message", [], True
     while True:
         chunk = response.read1(65536)    # what has arrived, without waiting for a full buffer
         pending += chunk
+        if first and chunk and BOM.startswith(pending):
+            continue                     # a byte-order mark may be opening the stream
+        if first and pending.startswith(BOM):
+            pending = pending[len(BOM):]
+        first = False
         if chunk:   # subtle: a \r at the very end may be half of a \r\n still on its way
             hold = 1 if pending.endswith(b"\r") else 0
             lines = re.split(rb"\r\n|\r|\n", pending[:len(pending) - hold])
@@ -1985,6 +2030,8 @@ def read_stream(session, response) -> dict:
         if data.strip() == "[DONE]":
             done = True
             break
+        if not data.strip():   # an empty event: nothing to read in it
+            continue
         try:
             chunk = json.loads(data)
         except (ValueError, RecursionError):
@@ -2025,12 +2072,14 @@ def merge_fragment(calls, fragment):
     """Add one streamed fragment of a tool call to the calls assembled so far, by index."""
     if not isinstance(fragment, dict):
         return
-    index = fragment.get("index")
+    index, given = fragment.get("index"), fragment.get("id")
+    if isinstance(index, int) and given and calls.get(index, {}).get("id") not in ("", given,
+                                                                                  None):
+        index = None   # subtle: a second call under an index already taken: a new call
     if not isinstance(index, int):   # no index: the call with this id, or a new call if the id
-        # is new; with no id either, more of the last call
-        ids = {call["id"]: i for i, call in calls.items()}
-        index = ids.get(fragment.get("id"), len(calls) if fragment.get("id") or not calls
-                        else max(calls))
+        ids = {call["id"]: i for i, call in calls.items()}   # is new; with no id, the last
+        index = ids[given] if given in ids else \
+            max(calls, default=-1) + 1 if given or not calls else max(calls)
     call = calls.setdefault(index, {"id": "", "type": "function",
                                     "function": {"name": "", "arguments": ""}})
     function = fragment.get("function") if isinstance(fragment.get("function"), dict) else {}
@@ -2083,7 +2132,7 @@ def normalise(session, data) -> Reply:
     content = text_of(message.get("content"))
     reasoning = text_of(message.get("reasoning") or message.get("reasoning_content"))
     # thinking some servers leave in the text (Screen.show, section 21, splits it the same way)
-    think = re.match(r"\s*<think>(.*?)</think>\s*", content, re.S)
+    think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
     raw_calls = message.get("tool_calls") or []
@@ -2098,8 +2147,9 @@ def normalise(session, data) -> Reply:
         fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
         args = fn.get("arguments", fn.get("parameters"))
         arguments.append(args)
-        calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function", "function": {
-            "name": str(fn.get("name") or ""), "arguments": json_arguments(args)}})
+        calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function",
+                      "function": {"name": str(fn.get("name") or ""),
+                                   "arguments": json_arguments(args)}})
     reply = {"role": "assistant", "content": content}
     if calls:   # subtle: an empty tool_calls list is rejected by strict servers
         reply["tool_calls"] = calls
@@ -2297,7 +2347,7 @@ def count_usage(session, data, sent, seconds):
 
 def run_turn(session, question) -> str:
     """Answer one user message: ask, run the tools the model calls, repeat until it answers."""
-    messages = session.messages
+    messages, session.interrupted = session.messages, False
     messages.append({"role": "user", "content": question})
     asked = collections.Counter()   # (changes so far, tool, arguments) -> times this turn
     why = "max_turns"
@@ -2323,7 +2373,7 @@ def run_turn(session, question) -> str:
                 break
         return final_answer(session, why)
     except KeyboardInterrupt:
-        session.exit_reason = "interrupted"
+        session.exit_reason, session.interrupted = "interrupted", True
         settle(messages, "[interrupted by the user]")
         save(session)
         raise
@@ -2373,25 +2423,33 @@ def run_calls(session, reply, asked) -> list:
     return results
 
 
+# A tool that can hold the interpreter for long inside one call (search, by way of Python's
+# regex engine, which lets no other thread run meanwhile) runs in the main thread, where the
+# time limit's alarm can stop it; other reads run in threads of their own, at most eight at once.
+MAIN_THREAD_ONLY = {"search"}
+
+
 def run_reads(session, reads) -> list:
     """Run read-only calls [(place, name, arguments)] at the same time; results in order."""
-    if len(reads) < 2:   # one call runs here, in the main thread, under its time limit
-        return [run_call(session, name, arguments, place) for place, name, arguments in reads]
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(len(reads), 8))
-    try:
-        futures = [pool.submit(run_call, session, name, arguments, place)
-                   for place, name, arguments in reads]
-        return [result_or_timeout(future) for future in futures]
-    finally:   # on Ctrl+C, calls not yet begun never start
-        pool.shutdown(wait=False, cancel_futures=True)
+    results, threads, slots = [None] * len(reads), {}, threading.BoundedSemaphore(8)
 
-
-def result_or_timeout(future) -> str:
-    """A read's result, or a timeout error if its thread is still busy well past the limit."""
-    try:
-        return future.result(timeout=TOOL_SECONDS + 5)
-    except concurrent.futures.TimeoutError:
-        return f"error: timeout: the tool ran for over {TOOL_SECONDS} s and was abandoned"
+    def run(i, place, name, arguments):
+        """One read, in a thread of its own."""
+        with slots:
+            results[i] = run_call(session, name, arguments, place)
+    for i, (place, name, arguments) in enumerate(reads):
+        if len(reads) > 1 and name not in MAIN_THREAD_ONLY:
+            threads[i] = threading.Thread(target=run, args=(i, place, name, arguments),
+                                          daemon=True)   # daemon: Ctrl+C need not wait for it
+            threads[i].start()
+    for i, (place, name, arguments) in enumerate(reads):
+        if i not in threads:
+            results[i] = run_call(session, name, arguments, place)
+    for i, thread in threads.items():
+        thread.join(TOOL_SECONDS + 5)
+        if thread.is_alive():
+            results[i] = f"error: timeout: the tool ran for over {TOOL_SECONDS} s and was left"
+    return results
 
 
 def run_call(session, name, arguments, place=0) -> str:
@@ -2403,6 +2461,8 @@ def run_call(session, name, arguments, place=0) -> str:
     start = time.monotonic()
     result = execute(session.cfg, name, arguments, session.tools,
                      lambda *request: ask_permission(session, *request), session.handlers)
+    if session.interrupted:   # a read still running when Ctrl+C came: keep quiet
+        return result
     session.emit("tool_call", name=name, arguments=arguments, ok=not result.startswith("error:"),
                  seconds=round(time.monotonic() - start, 3), depth=len(session.indent) // 4,
                  round=session.usage["rounds"], place=place, result=result[:200])
@@ -2862,6 +2922,10 @@ def repair(messages, system) -> list:
 # A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
 # stops the current request without losing the conversation, Ctrl+D to leave.
 
+class OutputClosed(Exception):
+    """Whoever reads our stdout has stopped reading: there is no one left to answer."""
+
+
 class Screen:
     """A reply as the user sees it: a clock on stderr while waiting (on a terminal), then its
     text on stdout and its reasoning, dimmed, on stderr, as they stream in."""
@@ -2870,15 +2934,15 @@ class Screen:
         """clock: show the seconds waited (only where stderr is a terminal)."""
         self.session, self.clock, self.ticker = session, clock, None
         self.stop = threading.Event()
-        self.ends = {}               # stream -> the last character written to it
-        self.held = ""         # text not shown yet: it may be the start of a <think> block
-        self.thinking = None   # None: not known yet; True: inside <think>; False: plain text
+        self.ends = {}          # stream -> the last character written to it
+        self.held = ""          # text not shown yet: it may be part of a <think> tag
+        self.mode = "start"     # start (nothing yet), thinking, after (</think>), text
 
     def wrap(self, transport):
         """transport, wrapped: a clock until the first word; open lines ended afterwards."""
         def wrapped(body):
             """Send body, with the clock running until something shows."""
-            self.thinking, self.held = None, ""
+            self.mode, self.held = "start", ""
             if self.clock:
                 self.stop.clear()
                 self.ticker = threading.Thread(target=self.tick, daemon=True)
@@ -2887,11 +2951,8 @@ class Screen:
                 return transport(body)
             finally:
                 self.quiet()
-                self.write("content", self.held)
-                for stream, last in self.ends.items():
-                    if last != "\n":
-                        print(file=stream, flush=True)
-                self.ends.clear()
+                self.write("reasoning" if self.mode == "thinking" else "content", self.held)
+                self.end_lines()
         return wrapped
 
     def tick(self):
@@ -2908,27 +2969,46 @@ class Screen:
             self.ticker.join()
             self.ticker = None
 
+    def end_lines(self):
+        """End the lines the reply left open, on stdout and stderr."""
+        for stream, last in self.ends.items():
+            if last != "\n":
+                print(file=stream, flush=True)
+        self.ends.clear()
+
     def show(self, kind, text):
-        """A piece of the reply has arrived: show it (a leading <think> block as reasoning)."""
+        """A piece of the reply has arrived: show it, a leading <think> block as reasoning."""
         self.quiet()
-        if kind == "content" and self.thinking is not False:
-            self.held += text
+        if kind == "again":   # the reply broke off and is asked for again: start afresh
+            self.end_lines()
+            self.session.say("  (the reply above broke off; asking again)", YELLOW)
+            self.mode, self.held = "start", ""
+            self.session.shown.clear()
+            return
+        if kind != "content" or self.mode == "text":
+            return self.write(kind, text)
+        self.held += text
+        if self.mode == "start":
             head = self.held.lstrip()
-            if self.thinking is None and "<think>".startswith(head):
+            if "<think>".startswith(head):
                 return                                  # too soon to tell
-            if self.thinking is None:
-                self.thinking = head.startswith("<think>")
-                self.held = head[7:] if self.thinking else self.held
-            end = self.held.find("</think>") if self.thinking else 0
-            if self.thinking and end < 0:               # all thinking so far, but for a
-                keep = max(len(self.held) - 7, 0)       # "</think>" that may be half here
-                kind, text, self.held = "reasoning", self.held[:keep], self.held[keep:]
-            elif self.thinking:
-                self.write("reasoning", self.held[:end])
-                text, self.held, self.thinking = self.held[end + 8:].lstrip(), "", False
-            else:
-                text, self.held = self.held, ""
-        self.write(kind, text)
+            if not head.startswith("<think>"):
+                self.mode, text, self.held = "text", self.held, ""
+                return self.write("content", text)
+            self.mode, self.held = "thinking", head[len("<think>"):]
+        if self.mode == "thinking":
+            end = self.held.find("</think>")
+            if end < 0:   # all thinking so far, but for a "</think>" that may be half here
+                keep = max(len(self.held) - len("</think>") + 1, 0)
+                self.write("reasoning", self.held[:keep])
+                self.held = self.held[keep:]
+                return
+            self.write("reasoning", self.held[:end])
+            self.mode, self.held = "after", self.held[end + len("</think>"):]
+        text, self.held = self.held.lstrip(), ""   # the blank lines after </think>: not text
+        if text:
+            self.mode = "text"
+            self.write("content", text)
 
     def write(self, kind, text):
         """Text to stdout, reasoning dimmed to stderr; control characters made visible."""
@@ -2938,8 +3018,11 @@ class Screen:
         self.session.shown.add(kind)
         text = printable(text) if stream.isatty() else text
         dim = kind == "reasoning" and self.session.cfg.color
-        stream.write(f"{DIM}{text}{RESET}" if dim else text)
-        stream.flush()
+        try:
+            stream.write(f"{DIM}{text}{RESET}" if dim else text)
+            stream.flush()
+        except BrokenPipeError:   # `agent.py ... | head` has read all it wants
+            raise OutputClosed() from None
         self.ends[stream] = text[-1:]
 
 
@@ -3221,7 +3304,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\nagent: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:   # `agent.py ... | head` closed the pipe: nothing left to say
+    except (BrokenPipeError, OutputClosed):   # `agent.py ... | head`: nothing left to say
         sys.stderr.close()
         return 1
     except Exception as e:   # a fault of this program, not the user's: one line all the same

@@ -554,7 +554,8 @@ class PromptTest(unittest.TestCase):
 
 class RipgrepTest(unittest.TestCase):
     PATTERNS = ["needle", "^needle$", "need(le|ful)", r"\bword\b", "é", "(?i)NEEDLE", "n.e",
-                "[0-9]+", "a{,3}b", "(?<=x)needle", "tail$", "nothing at all"]
+                "[0-9]+", "a{,3}b", "(?<=x)needle", "tail$", "nothing at all", r"foo[\t-\r]bar",
+                "^hello", "late", "a*+a", "[[:alpha:]]x"]
 
     def test_the_same_rows_with_and_without_ripgrep(self):
         """rg, where installed, finds exactly the rows Python finds: .gitignore, hidden files,
@@ -570,7 +571,8 @@ class RipgrepTest(unittest.TestCase):
                  "crlf.txt": b"tail\r\nneedle\r\n", "latin.txt": b"caf\xe9 needle aab\n",
                  "bin.dat": b"needle\0\n", "deep/er/n.py": b"NEEDLE\nnine\n",
                  "inner/.git/HEAD": b"ref: refs/heads/main\n", "inner/i.py": b"needle\n",
-                 "unicode.txt": "é needle\n".encode()}
+                 "unicode.txt": "é needle\n".encode(), "cross.txt": b"foo\nbar\n",
+                 "bom.txt": b"\xef\xbb\xbfhello\n", "late_nul.txt": b"late\n" * 5000 + b"\0"}
         for name, data in files.items():
             os.makedirs(os.path.dirname(os.path.join(repo, name)), exist_ok=True)
             with open(os.path.join(repo, name), "wb") as f:
@@ -579,7 +581,7 @@ class RipgrepTest(unittest.TestCase):
         os.symlink("a.py", os.path.join(repo, "link.py"))
         rel = os.path.basename(repo)
         for pattern in self.PATTERNS:
-            for glob in (None, "*.py", "deep/**"):
+            for glob in (None, "*.py", "deep/**", "*.log", "*", "%s/deep/**" % rel):
                 with self.subTest(pattern=pattern, glob=glob):
                     args = {"pattern": pattern, "path": rel, "glob": glob}
                     fast = agent.execute(dataclasses.replace(CFG, ripgrep=ripgrep), "search",
@@ -591,6 +593,8 @@ class RipgrepTest(unittest.TestCase):
         self.assertNotIn("build/", everything)
         self.assertIn(rel + "/inner/i.py:1: needle", everything)
         self.assertIn(rel + "/.hidden.py:1: xneedle", everything)
+        self.assertNotIn("x.log", agent.execute(CFG, "search", json.dumps(
+            {"pattern": "needle", "path": rel, "glob": "*.log"})))
 
 
 class ChangingTest(unittest.TestCase):
@@ -1196,6 +1200,56 @@ class StreamTest(unittest.TestCase):
         self.assertIn("bad key", str(run.answer))
         self.assertEqual(len(run.bodies), 1)
 
+    def test_odd_streams_are_read_all_the_same(self):
+        """A byte-order mark before the first event, empty events, two calls sharing an index,
+        and an unclosed <think>: none of them loses or mixes up anything."""
+        events = [b"\xef\xbb\xbf"] + sse(delta(content="first "), "data: \n\n", "data\n\n",
+                                          delta(content="second"), delta("stop"))
+        self.assertEqual(run_agent([{"sse": events}]).answer, "first second")
+        twins = sse(delta(tool_calls=[{"index": 0, "id": "one", "function": {
+                        "name": "read_file", "arguments": '{"path": "hello.py"}'}}]),
+                    delta("tool_calls", tool_calls=[{"index": 0, "id": "two", "function": {
+                        "name": "list_dir", "arguments": "{}"}}]))
+        run = run_agent([{"sse": twins}, reply("done")])
+        self.assertEqual([c["function"]["name"] for c in run.bodies[1]["messages"][2][
+            "tool_calls"]], ["read_file", "list_dir"])
+        run = run_agent([{"sse": sse(delta(content="<think>only thinking, never clo"),
+                                     delta(content="sed"), delta("length"))}])
+        self.assertEqual(run.answer, "")
+        self.assertIn("only thinking, never closed", run.stderr)
+
+    def test_a_reply_broken_off_and_asked_again_is_not_glued_to_it(self):
+        """When half a streamed reply was shown and the stream broke, the user is told, and
+        the whole answer still reaches stdout."""
+        broken = sse(delta(content="half an ans"), done=False)
+        with CannedServer([{"sse": broken}, reply("the whole answer")]) as server:
+            code, out, err = cli(["q"], url=server.url)
+        self.assertEqual(code, 0)
+        self.assertTrue(out.endswith("the whole answer\n"), out)
+        self.assertIn("the reply above broke off; asking again", err)
+
+    def test_a_reader_that_goes_away_ends_it_quietly(self):
+        """`agent.py q | head -c 5`: when stdout closes, the agent stops, without retrying
+        the request or printing a traceback."""
+        long = {"sse": sse(*[delta(content="word ") for _ in range(3000)], delta("stop")),
+                "pause": 0.0005}
+        with CannedServer([long, long, long, long]) as server:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "AGENT_"))}
+            env.update(LLM_URL=server.url, LLM_MODEL="m", AGENT_ROOT=WORK, NO_COLOR="1",
+                       XDG_STATE_HOME=STATE)
+            p = subprocess.Popen([sys.executable, AGENT, "talk"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                                 start_new_session=True)
+            p.stdout.read(5)
+            p.stdout.close()
+            err = p.stderr.read()
+            p.stderr.close()
+            code = p.wait(timeout=10)
+            asked = len(server.bodies())
+        self.assertEqual((code, asked), (1, 1))
+        self.assertNotIn(b"Traceback", err)
+        self.assertNotIn(b"retrying", err)
+
     def test_a_stream_cut_off_runs_no_tool(self):
         """A stream that ends with no [DONE] and no finish_reason is asked again; the half
         call in it never runs."""
@@ -1563,6 +1617,23 @@ class LoopTest(unittest.TestCase):
         self.assertEqual(run.bodies[-1]["tool_choice"], "none")
         self.assertEqual(len(run.bodies), 5)
 
+    def test_runaway_searches_side_by_side_are_stopped(self):
+        """Searches asked for together run in the main thread, where the time limit can stop a
+        regex that would run for hours; the other reads still run beside them."""
+        with open(os.path.join(WORK, "runaway.txt"), "w") as f:
+            f.write("a" * 40 + "!\n")
+        self.addCleanup(os.unlink, os.path.join(WORK, "runaway.txt"))
+        runaway = dict(pattern="(a+)+\\Z", path="runaway.txt")
+        with unittest.mock.patch.object(agent, "TOOL_SECONDS", 0.3):
+            started = time.monotonic()
+            run = run_agent([calls(tool_call("search", **runaway), tool_call("list_dir"),
+                                   tool_call("search", **runaway)), reply("done")])
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertTrue(results[0].startswith("error: timeout"), results[0])
+        self.assertIn("hello.py", results[1])
+        self.assertTrue(results[2].startswith("error: timeout"), results[2])
+        self.assertLess(time.monotonic() - started, 5)
+
     def test_a_repeat_after_a_change_is_not_a_repeat(self):
         """The same call again after a change has been made runs: its answer may differ now."""
         same = calls(tool_call("run_shell", command="cat counter.txt"))
@@ -1873,7 +1944,8 @@ class SessionFileTest(unittest.TestCase):
                  {"role": "user", "content": "q"},
                  {"role": "assistant", "content": None, "tool_calls": [
                      {"id": "a", "type": "function", "function": {"name": "x", "arguments": "{"}},
-                     {"id": "b", "type": "function", "function": {"name": "y", "arguments": "{}"}}]},
+                     {"id": "b", "type": "function",
+                      "function": {"name": "y", "arguments": "{}"}}]},
                  {"role": "tool", "tool_call_id": "b", "content": "fine"},
                  {"role": "tool", "tool_call_id": "zz", "content": "answers nothing"},
                  {"role": "user", "content": ["part"]}]
