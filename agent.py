@@ -25,8 +25,8 @@ Environment (a flag wins over its variable; see section 1):
 (OPENAI_BASE_URL, OPENAI_MODEL and OPENAI_API_KEY are read when the LLM_ ones are unset.)
 
 Contents. Every agent is five pieces: a tool-calling endpoint (12-15), tool schemas (3), a
-sandboxed executor (4-11), an append-only transcript and stop conditions (16, 17); then come
-extensions (18-20) and the terminal.
+sandboxed executor (4-11), an append-only transcript and stop conditions (16-18); then come
+the extensions (19-21) and the terminal (22-25).
     1. Configuration
     2. The prompt
     3. Tool schemas: what the model may call
@@ -43,13 +43,15 @@ extensions (18-20) and the terminal.
    14. Streaming: a reply read as it is written
    15. Replies: what servers send, made strict
    16. Context: a transcript that never overflows
-   17. The loop
-   18. MCP: tools from other programs
-   19. Sub-agents: a fresh loop for one task
-   20. Sessions that survive
-   21. The terminal
-   22. The demo: a scripted model
-   23. main()
+   17. Tool calls: reads side by side, changes one at a time
+   18. The loop
+   19. MCP: tools from other programs
+   20. Sub-agents: a fresh loop for one task
+   21. Sessions that survive
+   22. The screen: a reply as it streams in
+   23. The terminal: one question, or a session
+   24. The demo: a scripted model
+   25. main()
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
@@ -429,7 +431,7 @@ repeat a refused call.
 """
 READ_ONLY = "- This session is read-only: you can look, but not change files or run commands.\n"
 
-# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 17).
+# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 18).
 FINAL_REQUEST = ("[agent] Tool budget spent: {why}. Do not call tools. Answer the question now, "
                  "as well as you can from what you found, and say what is still unknown.")
 
@@ -449,7 +451,7 @@ SUMMARY_HEADER = "\n\n# The conversation so far, summarised to save space\n"
 # ----------------------------------------------------------------------------------------------
 # The model sees only these names, descriptions and parameter types, so each description is a
 # prompt: it says what the tool returns, its caps, and what to do next. The list is sent the
-# same, in the same order, with every request (section 17 keeps the request prefix stable).
+# same, in the same order, with every request (section 18 keeps the request prefix stable).
 
 def tool_schema(name, description, /, required=(), **properties):
     """One tool schema in the OpenAI format; properties are JSON Schema fragments.
@@ -1848,8 +1850,8 @@ def redact(cfg, text) -> str:
 # ----------------------------------------------------------------------------------------------
 # One endpoint: POST {url}/chat/completions with the whole transcript and the tool schemas.
 # Every request goes through post_chat(), the one place where failures that may pass are
-# retried, with growing waits; exchange() makes one attempt and sorts its outcome (section
-# 12), reading a streamed reply as it comes (section 14).
+# retried, with growing waits; exchange() makes one attempt and sorts out how it went (see
+# section 12), reading a streamed reply as it comes (section 14).
 
 def connect(cfg, method, path, body=None, timeout=None):
     """Send one HTTP request; return (status, headers, the response to read and close).
@@ -2131,7 +2133,7 @@ def normalise(session, data) -> Reply:
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))
     reasoning = text_of(message.get("reasoning") or message.get("reasoning_content"))
-    # thinking some servers leave in the text (Screen.show, section 21, splits it the same way)
+    # thinking some servers leave in the text (Screen.show, section 22, splits it the same way)
     think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
@@ -2284,106 +2286,12 @@ def summarise(session, text) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. The loop
+# 17. Tool calls: reads side by side, changes one at a time
 # ----------------------------------------------------------------------------------------------
-# The whole agent: append the question; ask; append the reply; if it calls no tool, that is the
-# answer; otherwise run each call, append each result, and ask again. The transcript is only
-# ever appended to, so every request begins with the bytes of the one before, and the server
-# reuses its cache. Three things stop it: an answer, MAX_TURNS rounds, or a model repeating
-# itself; the last two end with one more request that forbids tools, so an answer still comes.
-
-def ask(session, tool_choice=None) -> Reply:
-    """One round trip: send the transcript and the tools, get back a normalised reply. Before
-    it, make room in the context; if the server still finds it full, compact and ask once more."""
-    make_room(session)
-    body = {"model": pick_model(session), "messages": session.messages, "tools": session.tools}
-    if tool_choice:
-        body["tool_choice"] = tool_choice   # same tools list, so the prompt prefix holds
-    if session.cfg.max_tokens:
-        body[session.token_param] = session.cfg.max_tokens
-    if session.cfg.stream:
-        body["stream"] = True
-        if session.stream_options:   # ask for the token counts in a last chunk
-            body["stream_options"] = {"include_usage": True}
-    send = session.transport
-    sent, start = len(session.messages), time.monotonic()
-    session.shown.clear()
-    try:
-        data = send(body)
-    except ContextFull as e:   # the estimate was wrong: compact, and try once more
-        session.context_limit = e.n_ctx or session.context_limit
-        if not compact(session, "the server says the context is full"):
-            raise
-        sent = len(session.messages)
-        data = send(body)   # subtle: body["messages"] is session.messages, compacted in place
-    reply = normalise(session, data)
-    count_usage(session, data, sent, time.monotonic() - start)
-    if reply.reasoning and "reasoning" not in session.shown:   # streamed: shown already
-        session.say(printable(reply.reasoning), DIM)
-    return reply
-
-
-def count_usage(session, data, sent, seconds):
-    """Add a reply's token counts to the session's (the prompt's count is what the next size
-    estimate starts from), tell the sinks, and with -v show them for this round."""
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    timings = data.get("timings") if isinstance(data.get("timings"), dict) else {}
-    details = usage.get("prompt_tokens_details")
-    prompt, generated = to_int(usage.get("prompt_tokens")), to_int(usage.get("completion_tokens"))
-    cached = (to_int(details.get("cached_tokens")) if isinstance(details, dict) else 0) or \
-        to_int(timings.get("cache_n"))   # OpenAI's name for it, or llama-server's
-    session.usage.update(rounds=1, prompt=prompt, cached=cached, generated=generated,
-                         seconds=seconds)
-    choice = data["choices"][0] if data.get("choices") else {}
-    session.emit("model_call", seconds=round(seconds, 3), prompt_tokens=prompt,
-                 cached_tokens=cached, completion_tokens=generated,
-                 finish_reason=choice.get("finish_reason"), depth=len(session.indent) // 4)
-    if prompt:
-        session.last_prompt = (prompt, sent)
-    if session.cfg.verbose:
-        session.say(f"  [{prompt:,} prompt tokens, {cached:,} cached, {generated:,} generated, "
-                    f"{seconds:.1f} s]", DIM)
-
-
-def run_turn(session, question) -> str:
-    """Answer one user message: ask, run the tools the model calls, repeat until it answers."""
-    messages, session.interrupted = session.messages, False
-    messages.append({"role": "user", "content": question})
-    asked = collections.Counter()   # (changes so far, tool, arguments) -> times this turn
-    why = "max_turns"
-    try:
-        for _ in range(session.cfg.max_turns):
-            save(session)                # on disk as soon as it is in the transcript
-            reply = ask(session)
-            messages.append(reply.message)
-            save(session)
-            calls = reply.message.get("tool_calls", [])
-            if not calls:
-                if reply.finish_reason == "length":
-                    session.say(f"  (answer cut off at {session.cfg.max_tokens} tokens; raise "
-                                f"--max-tokens)", YELLOW)
-                session.exit_reason = "answer"
-                return reply.message["content"]
-            if reply.message["content"] and "content" not in session.shown:
-                session.say(printable(reply.message["content"]))   # thinking aloud
-            for call, result in zip(calls, run_calls(session, reply, asked)):
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-            if max(asked.values()) > REPEAT_LIMIT + 1:
-                why = "repeated_call"
-                break
-        return final_answer(session, why)
-    except KeyboardInterrupt:
-        session.exit_reason, session.interrupted = "interrupted", True
-        settle(messages, "[interrupted by the user]")
-        save(session)
-        raise
-    except Exception as e:   # Fatal, or a fault of this program: the transcript stays valid
-        session.exit_reason = "error"
-        session.emit("error", message=str(e))
-        settle(messages, f"[no reply: {e}]")
-        save(session)
-        raise
-
+# A reply may ask for several tools at once. Reads do not depend on each other, so they run
+# together; a change, and anything that asks the user, runs alone and in its place, so that a
+# read after an edit sees the edit. Results go back in the order of the calls, whatever order
+# they finished in, and one failure never stops the others.
 
 CUT_OFF = ("error: cut_off: your reply reached the token cap ({} tokens) at or before the end of "
            "this call, so it was not run. Make the call again, and write less before it.")
@@ -2489,6 +2397,108 @@ STOPPED = {"max_turns": "{} tool rounds, the limit",
            "repeated_call": "the same call was repeated with the same arguments"}
 
 
+# ----------------------------------------------------------------------------------------------
+# 18. The loop
+# ----------------------------------------------------------------------------------------------
+# The whole agent: append the question; ask; append the reply; if it calls no tool, that is the
+# answer; otherwise run each call, append each result, and ask again. The transcript is only
+# ever appended to, so every request begins with the bytes of the one before, and the server
+# reuses its cache. Three things stop it: an answer, MAX_TURNS rounds, or a model repeating
+# itself; the last two end with one more request that forbids tools, so an answer still comes.
+
+def ask(session, tool_choice=None) -> Reply:
+    """One round trip: send the transcript and the tools, get back a normalised reply. Before
+    it, make room in the context; if the server still finds it full, compact and ask once more."""
+    make_room(session)
+    body = {"model": pick_model(session), "messages": session.messages, "tools": session.tools}
+    if tool_choice:
+        body["tool_choice"] = tool_choice   # same tools list, so the prompt prefix holds
+    if session.cfg.max_tokens:
+        body[session.token_param] = session.cfg.max_tokens
+    if session.cfg.stream:
+        body["stream"] = True
+        if session.stream_options:   # ask for the token counts in a last chunk
+            body["stream_options"] = {"include_usage": True}
+    send = session.transport
+    sent, start = len(session.messages), time.monotonic()
+    session.shown.clear()
+    try:
+        data = send(body)
+    except ContextFull as e:   # the estimate was wrong: compact, and try once more
+        session.context_limit = e.n_ctx or session.context_limit
+        if not compact(session, "the server says the context is full"):
+            raise
+        sent = len(session.messages)
+        data = send(body)   # subtle: body["messages"] is session.messages, compacted in place
+    reply = normalise(session, data)
+    count_usage(session, data, sent, time.monotonic() - start)
+    if reply.reasoning and "reasoning" not in session.shown:   # streamed: shown already
+        session.say(printable(reply.reasoning), DIM)
+    return reply
+
+
+def count_usage(session, data, sent, seconds):
+    """Add a reply's token counts to the session's (the prompt's count is what the next size
+    estimate starts from), tell the sinks, and with -v show them for this round."""
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    timings = data.get("timings") if isinstance(data.get("timings"), dict) else {}
+    details = usage.get("prompt_tokens_details")
+    prompt, generated = to_int(usage.get("prompt_tokens")), to_int(usage.get("completion_tokens"))
+    cached = (to_int(details.get("cached_tokens")) if isinstance(details, dict) else 0) or \
+        to_int(timings.get("cache_n"))   # OpenAI's name for it, or llama-server's
+    session.usage.update(rounds=1, prompt=prompt, cached=cached, generated=generated,
+                         seconds=seconds)
+    choice = data["choices"][0] if data.get("choices") else {}
+    session.emit("model_call", seconds=round(seconds, 3), prompt_tokens=prompt,
+                 cached_tokens=cached, completion_tokens=generated,
+                 finish_reason=choice.get("finish_reason"), depth=len(session.indent) // 4)
+    if prompt:
+        session.last_prompt = (prompt, sent)
+    if session.cfg.verbose:
+        session.say(f"  [{prompt:,} prompt tokens, {cached:,} cached, {generated:,} generated, "
+                    f"{seconds:.1f} s]", DIM)
+
+
+def run_turn(session, question) -> str:
+    """Answer one user message: ask, run the tools the model calls, repeat until it answers."""
+    messages, session.interrupted = session.messages, False
+    messages.append({"role": "user", "content": question})
+    asked = collections.Counter()   # (changes so far, tool, arguments) -> times this turn
+    why = "max_turns"
+    try:
+        for _ in range(session.cfg.max_turns):
+            save(session)                # on disk as soon as it is in the transcript
+            reply = ask(session)
+            messages.append(reply.message)
+            save(session)
+            calls = reply.message.get("tool_calls", [])
+            if not calls:
+                if reply.finish_reason == "length":
+                    session.say(f"  (answer cut off at {session.cfg.max_tokens} tokens; raise "
+                                f"--max-tokens)", YELLOW)
+                session.exit_reason = "answer"
+                return reply.message["content"]
+            if reply.message["content"] and "content" not in session.shown:
+                session.say(printable(reply.message["content"]))   # thinking aloud
+            for call, result in zip(calls, run_calls(session, reply, asked)):
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            if max(asked.values()) > REPEAT_LIMIT + 1:
+                why = "repeated_call"
+                break
+        return final_answer(session, why)
+    except KeyboardInterrupt:
+        session.exit_reason, session.interrupted = "interrupted", True
+        settle(messages, "[interrupted by the user]")
+        save(session)
+        raise
+    except Exception as e:   # Fatal, or a fault of this program: the transcript stays valid
+        session.exit_reason = "error"
+        session.emit("error", message=str(e))
+        settle(messages, f"[no reply: {e}]")
+        save(session)
+        raise
+
+
 def final_answer(session, why) -> str:
     """Out of rounds or going in circles: ask once more with tools forbidden, for an answer."""
     reason = STOPPED[why].format(session.cfg.max_turns)
@@ -2538,7 +2548,7 @@ def new_session(cfg, transport=None) -> Session:
 
 
 # ----------------------------------------------------------------------------------------------
-# 18. MCP: tools from other programs
+# 19. MCP: tools from other programs
 # ----------------------------------------------------------------------------------------------
 # The Model Context Protocol lets any program offer tools. An MCP server here is a child
 # process spoken to over its stdin and stdout in JSON-RPC 2.0, one message per line: the
@@ -2734,6 +2744,7 @@ def mcp_handler(server, tool, read_only):
     def handle(arguments):
         """Call the tool once the user allows it; an MCP failure is an error result."""
         def carry_out():
+            """The tools/call itself; an MCP failure comes back as text, like any other."""
             try:
                 return server.call(tool, arguments)
             except McpError as e:
@@ -2761,7 +2772,7 @@ def stop_mcp(session):
 
 
 # ----------------------------------------------------------------------------------------------
-# 19. Sub-agents: a fresh loop for one task
+# 20. Sub-agents: a fresh loop for one task
 # ----------------------------------------------------------------------------------------------
 # A long search fills the conversation with tool results the main task will never need again.
 # The task tool hands such a piece of work to a helper: the same loop, a transcript of its own,
@@ -2808,7 +2819,7 @@ def run_task(session, description, prompt) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 20. Sessions that survive
+# 21. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
 # under the user's state directory, grouped by workspace. A crash or Ctrl+C loses at most the
@@ -2916,11 +2927,11 @@ def repair(messages, system) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# 21. The terminal
+# 22. The screen: a reply as it streams in
 # ----------------------------------------------------------------------------------------------
-# One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
-# A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
-# stops the current request without losing the conversation, Ctrl+D to leave.
+# While the model works, the user sees a clock; then its words on stdout and its reasoning,
+# dimmed, on stderr, as they arrive. A <think> block at the start of the text (left there by
+# servers that do not parse reasoning out) is shown as reasoning, and kept out of the answer.
 
 class OutputClosed(Exception):
     """Whoever reads our stdout has stopped reading: there is no one left to answer."""
@@ -3025,6 +3036,13 @@ class Screen:
             raise OutputClosed() from None
         self.ends[stream] = text[-1:]
 
+
+# ----------------------------------------------------------------------------------------------
+# 23. The terminal: one question, or a session
+# ----------------------------------------------------------------------------------------------
+# One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
+# A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
+# stops the current request without losing the conversation, Ctrl+D to leave.
 
 def read_stdin(wait) -> str:
     """What comes in on a pipe, decoded whatever its encoding, cut to STDIN_CAP characters.
@@ -3173,7 +3191,7 @@ def repl(session) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 22. The demo: a scripted model
+# 24. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -3245,7 +3263,7 @@ def demo(cfg) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 23. main()
+# 25. main()
 # ----------------------------------------------------------------------------------------------
 
 def start_session(cfg) -> Session:
