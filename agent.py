@@ -24,39 +24,40 @@ Environment (a flag wins over its variable; see section 1):
     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
 (OPENAI_BASE_URL, OPENAI_MODEL and OPENAI_API_KEY are read when the LLM_ ones are unset.)
 
-Contents. Every agent is five pieces: a tool-calling endpoint (12-15), tool schemas (3), a
-sandboxed executor (4-11), an append-only transcript and stop conditions (16-18); then come
-the extensions (19-21) and the terminal (22-25).
+Contents. Every agent is five pieces: a tool-calling endpoint (13-16), tool schemas (4), a
+sandboxed executor (5-12), an append-only transcript and stop conditions (17-19); then come
+the extensions (20-22) and the terminal (23-26).
     1. Configuration
-    2. The prompt
-    3. Tool schemas: what the model may call
-    4. The sandbox: every path stays inside the root
-    5. Reading: list_dir, read_file, and the project's instructions
-    6. Finding files: globs and listings
-    7. Searching contents: search, in Python or with ripgrep
-    8. Changing files: write_file and edit_file
-    9. Running commands: run_shell
-   10. The executor: every failure becomes text
-   11. Approval: nothing changes until the user says yes
-   12. Server errors: what may pass, and what to say about the rest
-   13. Talking to the model: one endpoint, retried
-   14. Streaming: a reply read as it is written
-   15. Replies: what servers send, made strict
-   16. Context: a transcript that never overflows
-   17. Tool calls: reads side by side, changes one at a time
-   18. The loop
-   19. MCP: tools from other programs
-   20. Sub-agents: a fresh loop for one task
-   21. Sessions that survive
-   22. The screen: a reply as it streams in
-   23. The terminal: one question, or a session
-   24. The demo: a scripted model
-   25. main()
+    2. The session: what one conversation carries
+    3. The prompt
+    4. Tool schemas: what the model may call
+    5. The sandbox: every path stays inside the root
+    6. Reading: list_dir, read_file, and the project's instructions
+    7. Finding files: globs and listings
+    8. Searching contents: search, in Python or with ripgrep
+    9. Changing files: write_file and edit_file
+   10. Running commands: run_shell
+   11. The executor: every failure becomes text
+   12. Approval: nothing changes until the user says yes
+   13. Server errors: what may pass, and what to say about the rest
+   14. Talking to the model: one endpoint, retried
+   15. Streaming: a reply read as it is written
+   16. Replies: what servers send, made strict
+   17. Context: a transcript that never overflows
+   18. Tool calls: reads side by side, changes one at a time
+   19. The loop
+   20. MCP: tools from other programs
+   21. Sub-agents: a fresh loop for one task
+   22. Sessions that survive
+   23. The screen: a reply as it streams in
+   24. The terminal: one question, or a session
+   25. The demo: a scripted model
+   26. main()
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
     messages    the transcript: every message so far, sent whole each round; only appended to,
-                but for a compaction (section 16), which rewrites it once
+                but for a compaction (section 17), which rewrites it once
     tool call   {"id", "type": "function", "function": {"name", "arguments": JSON text}} in
                 an assistant message, answered by one {"role": "tool", "tool_call_id", "content"}
 
@@ -334,13 +335,20 @@ def env_flag(value) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+# ----------------------------------------------------------------------------------------------
+# 2. The session: what one conversation carries
+# ----------------------------------------------------------------------------------------------
+# Config is what the user set; a Session is one conversation: its transcript, the tools it
+# offers, what it has learned about the server, and how it talks to the user. It is a record
+# of the program's own; what travels to the server stays plain JSON, in its messages.
+
 # Styles for stderr: ANSI codes, used only when Config.color is set.
 DIM, BOLD, RED, GREEN, YELLOW, CYAN = "\033[2m", "\033[1m", "\033[31m", "\033[32m", \
     "\033[33m", "\033[36m"
 RESET = "\033[0m"
 
 
-EMITTING = threading.Lock()
+EMITTING = threading.Lock()   # one event at a time reaches the sinks (reads run in threads)
 
 
 @dataclasses.dataclass
@@ -348,14 +356,14 @@ class Session:
     """One conversation: its transcript, and what it has learned and shown along the way.
     Each field is explained where it is used; here they are by kind."""
     cfg: Config
-    # the conversation (sections 16, 17, 20)
+    # the conversation (sections 17, 19, 22)
     messages: list = dataclasses.field(default_factory=list)  # the transcript
     system: str = ""                       # the system prompt, before any summary is added
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
     path: str = ""                         # the file the transcript is saved in, as it grows
     saved: int = 0                         # messages written to it so far
     exit_reason: str = ""                  # how the last turn ended: answer, max_turns, ...
-    # the tools (sections 3, 11, 18, 19)
+    # the tools (sections 4, 12, 20, 21)
     tools: list = dataclasses.field(default_factory=list)    # the schemas offered, fixed
     handlers: dict = dataclasses.field(default_factory=dict)  # the session's own tools: MCP, task
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
@@ -363,7 +371,7 @@ class Session:
     changes: int = 0                       # changes made so far: a repeat after one is new
     interrupted: bool = False              # Ctrl+C ended the turn: reads left running hush
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
-    # the server (sections 13-16)
+    # the server (sections 14-17)
     transport: Optional[Callable] = None   # request body -> reply JSON: post_chat, or a script
     token_param: str = "max_tokens"        # "max_completion_tokens" once a server insists
     stream_options: bool = True            # False once a server refuses stream_options
@@ -371,7 +379,7 @@ class Session:
     context_limit: int = 0                 # tokens the model can read; 0 = not known yet
     last_prompt: tuple = (0, 0)            # (prompt tokens the server counted, messages then)
     usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # totals
-    # the screen and the record (sections 21, 23)
+    # the screen and the record (sections 23, 24)
     show: Optional[Callable] = None        # show(kind, text) prints a reply as it streams in
     shown: set = dataclasses.field(default_factory=set)   # what of the last reply was shown
     indent: str = ""                       # before every line printed: a sub-agent's is deeper
@@ -394,10 +402,10 @@ class Session:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. The prompt
+# 3. The prompt
 # ----------------------------------------------------------------------------------------------
 # The system prompt is the first message of every request: these rules, then the project's own
-# instructions (AGENTS.md) and the skills it offers (section 5). It never changes during a
+# instructions (AGENTS.md) and the skills it offers (section 6). It never changes during a
 # session (no clock, no counters), so a server can reuse its cached prefix round after round.
 
 SYSTEM_PROMPT = """\
@@ -431,11 +439,11 @@ repeat a refused call.
 """
 READ_ONLY = "- This session is read-only: you can look, but not change files or run commands.\n"
 
-# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 18).
+# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 19).
 FINAL_REQUEST = ("[agent] Tool budget spent: {why}. Do not call tools. Answer the question now, "
                  "as well as you can from what you found, and say what is still unknown.")
 
-# What the model is asked when the conversation must shrink (section 16), and where the summary
+# What the model is asked when the conversation must shrink (section 17), and where the summary
 # goes: the end of the system message.
 SUMMARY_PROMPT = """\
 You compress the conversation of a coding agent with its user, so that the work can go on in \
@@ -447,11 +455,11 @@ SUMMARY_HEADER = "\n\n# The conversation so far, summarised to save space\n"
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Tool schemas: what the model may call
+# 4. Tool schemas: what the model may call
 # ----------------------------------------------------------------------------------------------
 # The model sees only these names, descriptions and parameter types, so each description is a
 # prompt: it says what the tool returns, its caps, and what to do next. The list is sent the
-# same, in the same order, with every request (section 18 keeps the request prefix stable).
+# same, in the same order, with every request (section 19 keeps the request prefix stable).
 
 def tool_schema(name, description, /, required=(), **properties):
     """One tool schema in the OpenAI format; properties are JSON Schema fragments.
@@ -542,7 +550,7 @@ TOOLS = [
                         f"{SHELL_TIMEOUT_MAX}")),
 ]
 
-# The tools that change something: each asks the user first (section 11).
+# The tools that change something: each asks the user first (section 12).
 CHANGES = {"write_file", "edit_file", "run_shell"}
 
 
@@ -554,7 +562,7 @@ def tools_for(cfg, skills) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. The sandbox: every path stays inside the root
+# 5. The sandbox: every path stays inside the root
 # ----------------------------------------------------------------------------------------------
 # The model names paths; the sandbox decides what they mean. A path is joined to the root,
 # every symlink in it resolved, and only then compared with the root, so neither '..', nor an
@@ -670,7 +678,7 @@ def check_time():
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Reading: list_dir, read_file, and the project's instructions
+# 6. Reading: list_dir, read_file, and the project's instructions
 # ----------------------------------------------------------------------------------------------
 # Each tool is a plain function: the Config first (its root is the sandbox), then the
 # parameters its schema declares.
@@ -878,7 +886,7 @@ def load_skill(cfg, name):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Finding files: globs and listings
+# 7. Finding files: globs and listings
 # ----------------------------------------------------------------------------------------------
 # find_files and search both look at the files below a directory: in a git work tree, the ones
 # git lists (so .gitignore is honoured), elsewhere the ones a walk finds; .git never. A glob
@@ -1001,13 +1009,13 @@ def find_files(cfg, pattern):
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Searching contents: search, in Python or with ripgrep
+# 8. Searching contents: search, in Python or with ripgrep
 # ----------------------------------------------------------------------------------------------
 # search reads every text file below a path, line by line in effect, with a Python regular
 # expression. Two things make it fast: ripgrep, where installed, scans the tree instead; and
 # the Python scan rules a file out on its raw bytes, where it can, before decoding it. Neither
 # can be made to run without end by a pattern: a regex that could run across lines is tried
-# line by line, and the loops check the deadline the executor sets (section 4).
+# line by line, and the loops check the deadline the executor sets (section 5).
 
 # A pattern that can match a newline or see past the end of a line ([^x], \s, \n, (?s), a
 # negative lookaround, \A, \Z) would run across lines, and for long, on a whole text at once.
@@ -1228,12 +1236,12 @@ def search(cfg, pattern, path=".", glob=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Changing files: write_file and edit_file
+# 9. Changing files: write_file and edit_file
 # ----------------------------------------------------------------------------------------------
 # A tool that changes something does not do it at once. It checks its arguments, works out
 # exactly what would happen, and returns a Plan: a preview for the user (a unified diff, or the
 # command line) and a function that carries it out. The executor runs that function only once
-# the user has said yes (section 11). The sandbox rules of reading hold for writing too.
+# the user has said yes (section 12). The sandbox rules of reading hold for writing too.
 
 @dataclasses.dataclass
 class Plan:
@@ -1375,7 +1383,7 @@ def no_single_match(path, text, old, count) -> ToolError:
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Running commands: run_shell
+# 10. Running commands: run_shell
 # ----------------------------------------------------------------------------------------------
 # A command runs in the workspace with its stdin closed and its output going to a temporary
 # file, in a process group of its own, so that when it ends, times out or is interrupted,
@@ -1523,7 +1531,7 @@ TOOL_FUNCTIONS = {"list_dir": list_dir, "read_file": read_file, "search": search
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. The executor: every failure becomes text
+# 11. The executor: every failure becomes text
 # ----------------------------------------------------------------------------------------------
 # The model will misspell tools, send broken JSON, ask for files that do not exist and paths it
 # may not read. None of that may end the conversation: each becomes a tool result beginning
@@ -1637,7 +1645,7 @@ def cap(text, limit=RESULT_CAP) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Approval: nothing changes until the user says yes
+# 12. Approval: nothing changes until the user says yes
 # ----------------------------------------------------------------------------------------------
 # Reading is free; writing, editing and running commands are not. The executor hands each Plan
 # to permit(), which shows the user the diff or the command and asks: y(es), n(o) with an
@@ -1714,7 +1722,7 @@ def show_preview(session, preview, lines=60):
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Server errors: what may pass, and what to say about the rest
+# 13. Server errors: what may pass, and what to say about the rest
 # ----------------------------------------------------------------------------------------------
 # Servers fail in many shapes. What may pass (a 429, a 503, a dropped connection, a body that
 # is not JSON) becomes a Retry, which post_chat() waits out. What cannot (a 401, a full
@@ -1752,7 +1760,7 @@ def error_message(data) -> Optional[str]:
 
 
 class ContextFull(Fatal):
-    """The server says the request does not fit the model's context (section 16 compacts)."""
+    """The server says the request does not fit the model's context (section 17 compacts)."""
 
     def __init__(self, message, n_ctx=0):
         """n_ctx: the context size in tokens, if the server said."""
@@ -1846,12 +1854,12 @@ def redact(cfg, text) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. Talking to the model: one endpoint, retried
+# 14. Talking to the model: one endpoint, retried
 # ----------------------------------------------------------------------------------------------
 # One endpoint: POST {url}/chat/completions with the whole transcript and the tool schemas.
 # Every request goes through post_chat(), the one place where failures that may pass are
 # retried, with growing waits; exchange() makes one attempt and sorts out how it went (see
-# section 12), reading a streamed reply as it comes (section 14).
+# section 13), reading a streamed reply as it comes (section 15).
 
 def connect(cfg, method, path, body=None, timeout=None):
     """Send one HTTP request; return (status, headers, the response to read and close).
@@ -1978,7 +1986,7 @@ def pick_model(session) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Streaming: a reply read as it is written
+# 15. Streaming: a reply read as it is written
 # ----------------------------------------------------------------------------------------------
 # With "stream": true the server sends the reply as server-sent events: lines "data: {chunk}",
 # a blank line after each event, and "data: [DONE]" at the end. Each chunk carries a delta: a
@@ -2098,7 +2106,7 @@ def merge_fragment(calls, fragment):
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Replies: what servers send, made strict
+# 16. Replies: what servers send, made strict
 # ----------------------------------------------------------------------------------------------
 # The reply's first choice holds an assistant message with text, tool calls, or both, and
 # servers disagree about its shape: arguments as text, an object or nothing; ids missing or
@@ -2133,7 +2141,7 @@ def normalise(session, data) -> Reply:
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))
     reasoning = text_of(message.get("reasoning") or message.get("reasoning_content"))
-    # thinking some servers leave in the text (Screen.show, section 22, splits it the same way)
+    # thinking some servers leave in the text (Screen.show, section 23, splits it the same way)
     think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
@@ -2184,7 +2192,7 @@ def unique_call_id(session, given) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. Context: a transcript that never overflows
+# 17. Context: a transcript that never overflows
 # ----------------------------------------------------------------------------------------------
 # Every request carries the whole transcript, and a model can only read so much: its context.
 # Before each request the agent estimates the size (the server's own count of the last prompt,
@@ -2286,7 +2294,7 @@ def summarise(session, text) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Tool calls: reads side by side, changes one at a time
+# 18. Tool calls: reads side by side, changes one at a time
 # ----------------------------------------------------------------------------------------------
 # A reply may ask for several tools at once. Reads do not depend on each other, so they run
 # together; a change, and anything that asks the user, runs alone and in its place, so that a
@@ -2398,7 +2406,7 @@ STOPPED = {"max_turns": "{} tool rounds, the limit",
 
 
 # ----------------------------------------------------------------------------------------------
-# 18. The loop
+# 19. The loop
 # ----------------------------------------------------------------------------------------------
 # The whole agent: append the question; ask; append the reply; if it calls no tool, that is the
 # answer; otherwise run each call, append each result, and ask again. The transcript is only
@@ -2548,7 +2556,7 @@ def new_session(cfg, transport=None) -> Session:
 
 
 # ----------------------------------------------------------------------------------------------
-# 19. MCP: tools from other programs
+# 20. MCP: tools from other programs
 # ----------------------------------------------------------------------------------------------
 # The Model Context Protocol lets any program offer tools. An MCP server here is a child
 # process spoken to over its stdin and stdout in JSON-RPC 2.0, one message per line: the
@@ -2772,7 +2780,7 @@ def stop_mcp(session):
 
 
 # ----------------------------------------------------------------------------------------------
-# 20. Sub-agents: a fresh loop for one task
+# 21. Sub-agents: a fresh loop for one task
 # ----------------------------------------------------------------------------------------------
 # A long search fills the conversation with tool results the main task will never need again.
 # The task tool hands such a piece of work to a helper: the same loop, a transcript of its own,
@@ -2819,7 +2827,7 @@ def run_task(session, description, prompt) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 21. Sessions that survive
+# 22. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
 # under the user's state directory, grouped by workspace. A crash or Ctrl+C loses at most the
@@ -2927,7 +2935,7 @@ def repair(messages, system) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# 22. The screen: a reply as it streams in
+# 23. The screen: a reply as it streams in
 # ----------------------------------------------------------------------------------------------
 # While the model works, the user sees a clock; then its words on stdout and its reasoning,
 # dimmed, on stderr, as they arrive. A <think> block at the start of the text (left there by
@@ -3038,7 +3046,7 @@ class Screen:
 
 
 # ----------------------------------------------------------------------------------------------
-# 23. The terminal: one question, or a session
+# 24. The terminal: one question, or a session
 # ----------------------------------------------------------------------------------------------
 # One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
 # A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
@@ -3191,7 +3199,7 @@ def repl(session) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 24. The demo: a scripted model
+# 25. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -3263,7 +3271,7 @@ def demo(cfg) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 25. main()
+# 26. main()
 # ----------------------------------------------------------------------------------------------
 
 def start_session(cfg) -> Session:
