@@ -2410,9 +2410,10 @@ STOPPED = {"max_turns": "{} tool rounds, the limit",
 # ----------------------------------------------------------------------------------------------
 # The whole agent: append the question; ask; append the reply; if it calls no tool, that is the
 # answer; otherwise run each call, append each result, and ask again. The transcript is only
-# ever appended to, so every request begins with the bytes of the one before, and the server
-# reuses its cache. Three things stop it: an answer, MAX_TURNS rounds, or a model repeating
-# itself; the last two end with one more request that forbids tools, so an answer still comes.
+# appended to (but for a compaction), so every request begins with the bytes of the one before,
+# and the server reuses its cache. Three things stop it: an answer, MAX_TURNS rounds, or a
+# model repeating itself; the last two end with one more request that forbids tools, so that
+# an answer still comes. Each message is saved as it joins the transcript.
 
 def ask(session, tool_choice=None) -> Reply:
     """One round trip: send the transcript and the tools, get back a normalised reply. Before
@@ -2427,17 +2428,16 @@ def ask(session, tool_choice=None) -> Reply:
         body["stream"] = True
         if session.stream_options:   # ask for the token counts in a last chunk
             body["stream_options"] = {"include_usage": True}
-    send = session.transport
     sent, start = len(session.messages), time.monotonic()
     session.shown.clear()
     try:
-        data = send(body)
+        data = session.transport(body)
     except ContextFull as e:   # the estimate was wrong: compact, and try once more
         session.context_limit = e.n_ctx or session.context_limit
         if not compact(session, "the server says the context is full"):
             raise
         sent = len(session.messages)
-        data = send(body)   # subtle: body["messages"] is session.messages, compacted in place
+        data = session.transport(body)   # subtle: body["messages"], compacted in place
     reply = normalise(session, data)
     count_usage(session, data, sent, time.monotonic() - start)
     if reply.reasoning and "reasoning" not in session.shown:   # streamed: shown already
@@ -2479,8 +2479,8 @@ def run_turn(session, question) -> str:
             reply = ask(session)
             messages.append(reply.message)
             save(session)
-            calls = reply.message.get("tool_calls", [])
-            if not calls:
+            tool_calls = reply.message.get("tool_calls", [])
+            if not tool_calls:
                 if reply.finish_reason == "length":
                     session.say(f"  (answer cut off at {session.cfg.max_tokens} tokens; raise "
                                 f"--max-tokens)", YELLOW)
@@ -2488,7 +2488,7 @@ def run_turn(session, question) -> str:
                 return reply.message["content"]
             if reply.message["content"] and "content" not in session.shown:
                 session.say(printable(reply.message["content"]))   # thinking aloud
-            for call, result in zip(calls, run_calls(session, reply, asked)):
+            for call, result in zip(tool_calls, run_calls(session, reply, asked)):
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
             if max(asked.values()) > REPEAT_LIMIT + 1:
                 why = "repeated_call"
