@@ -181,6 +181,7 @@ class Config:
     verbose: bool = False   # a line of token counts and seconds per round on stderr (-v)
     state: str = ""         # where sessions, history and logs are kept (per user)
     mcp: dict = dataclasses.field(default_factory=dict)  # MCP server name -> {command, args...}
+    mcp_problem: str = ""   # what is wrong with the workspace's .mcp.json, to say at the start
     resume: Optional[str] = None   # a saved session to go on with ("" = this root's latest)
     output: str = "text"    # one-shot stdout: "text", "json" (one object), "jsonl" (events)
     trace: str = ""         # a file to add a JSON line to for every model and tool call
@@ -263,6 +264,7 @@ def load_config(argv=None, environ=None) -> Config:
         raise UsageError(f"AGENT_ROOT must be a directory, got {root!r}")
     state = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     api_key = env.get("LLM_API_KEY") or env.get("OPENAI_API_KEY") or ""
+    mcp, mcp_problem = mcp_servers(root, args.mcp, env)
     return Config(
         url=url,
         model=pick(args.model, "LLM_MODEL", "OPENAI_MODEL").strip(),
@@ -280,7 +282,8 @@ def load_config(argv=None, environ=None) -> Config:
         tool=args.tool,
         history=os.path.join(state, "agent-loop", "history"),
         state=os.path.join(state, "agent-loop"),
-        mcp=mcp_servers(root, args.mcp, env),
+        mcp=mcp,
+        mcp_problem=mcp_problem,
         resume=args.resume if args.resume is not None else "" if args.go_on else None,
         output="json" if args.json else "jsonl" if args.jsonl else "text",
         trace=args.trace or "",
@@ -296,26 +299,35 @@ def load_config(argv=None, environ=None) -> Config:
     )
 
 
-def mcp_servers(root, files, env) -> dict:
+def mcp_servers(root, files, env) -> tuple:
     """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
-    --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment."""
-    servers = {}
+    --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment; and what is
+    wrong with the workspace's file, if anything (a broken --mcp FILE is a usage error)."""
+    servers, problem = {}, ""
     for path, ask in [(os.path.join(root, ".mcp.json"), True)] + [(f, False) for f in files]:
         if ask and not os.path.isfile(path):
             continue
         try:
-            with open(path, encoding="utf-8") as f:
-                found = json.load(f).get("mcpServers")
+            with open(path, encoding="utf-8-sig") as f:
+                found = json.load(f)
+            found = found.get("mcpServers") if isinstance(found, dict) else None
+            if not isinstance(found, dict):
+                raise ValueError('it has no "mcpServers" object')
             for name, spec in found.items():
                 spec = expand(spec, env)
-                if not isinstance(spec.get("command"), str) or not isinstance(
-                        spec.get("args", []), list) or not isinstance(spec.get("env", {}), dict):
-                    raise ValueError(f"server {name!r} needs a command (and list args, dict env)")
+                if not isinstance(spec, dict) or not isinstance(spec.get("command"), str) or \
+                        not isinstance(spec.get("args", []), list) or \
+                        not isinstance(spec.get("env", {}), dict):
+                    raise ValueError(f'server "{name}" needs a "command" string, and "args" '
+                                     f'a list and "env" an object if given')
                 servers[name] = dict(spec, ask=ask, args=[str(a) for a in spec.get("args", [])],
-                                     env={k: str(v) for k, v in spec.get("env", {}).items()})
-        except (OSError, ValueError, AttributeError, TypeError) as e:
-            raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
-    return servers
+                                     env={k: str(v) for k, v in spec.get("env", {}).items()
+                                          if v is not None})
+        except (OSError, ValueError, RecursionError) as e:
+            if not ask:
+                raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
+            problem = f"{path} not used: {e}"
+    return servers, problem
 
 
 def expand(value, env):
@@ -349,6 +361,7 @@ RESET = "\033[0m"
 
 
 EMITTING = threading.Lock()   # one event at a time reaches the sinks (reads run in threads)
+SAYING = threading.Lock()     # one line at a time reaches stderr
 
 
 @dataclasses.dataclass
@@ -392,7 +405,9 @@ class Session:
             text = text if text.startswith("\r") else self.indent + text
         if self.cfg.color and style:
             text = f"{style}{text}{RESET}"
-        print(text, end=end, file=sys.stderr, flush=True)
+        with SAYING:   # one write, so that lines from reads in threads are never glued
+            sys.stderr.write(text + end)
+            sys.stderr.flush()
 
     def emit(self, kind, **fields):
         """Tell each sink that something happened: a model call, a tool call, an answer."""
@@ -1423,23 +1438,28 @@ def run_command(cfg, command, timeout) -> str:
                 except subprocess.TimeoutExpired:
                     pass
         finally:
-            def reap_all():
-                """Collect the command and the strays adopted here: a zombie still counts as
-                a member of its group, and would keep the group 'alive' until reaped."""
-                process.poll()
-                for pid, _ in find_strays(born):
-                    reap(pid)
-            kill_group(process.pid, reap_all)
-            process.wait()
-            for _ in range(3):   # strays may leave strays of their own
-                for pid, group in find_strays(born):
-                    kill_group(group, lambda pid=pid: reap(pid))
-                    reap(pid)
+            kill_tree(process, born)
         code = process.returncode
         status = (f"{stopped}; the command and all it started were killed" if stopped else
                   f"killed by signal {-code}" if code < 0 else f"exit code {code}")
         output = head_and_tail(out)
     return f"{status}\n{output}" if output.strip() else f"{status} (no output)"
+
+
+def kill_tree(process, born):
+    """Kill a process, its group, and the processes it set loose (found since born)."""
+    def reap_all():
+        """Collect the process and the strays adopted here: a zombie still counts as a
+        member of its group, and would keep the group 'alive' until reaped."""
+        process.poll()
+        for pid, _ in find_strays(born):
+            reap(pid)
+    kill_group(process.pid, reap_all)
+    process.wait()
+    for _ in range(3):   # strays may leave strays of their own
+        for pid, group in find_strays(born):
+            kill_group(group, lambda pid=pid: reap(pid))
+            reap(pid)
 
 
 def kill_group(group, reap_ours):
@@ -2308,35 +2328,31 @@ REPEATED = ("error: repeated_call: {} was already called {} times this turn with
             "different, or answer.")
 
 
-def run_calls(session, reply, asked) -> list:
-    """The results of a reply's tool calls, in the order of the calls. Reads run side by side;
-    each change runs alone, in its place, after the reads before it and before those after.
-    A call repeated too often, or the last of a reply cut off by the token cap, is not run."""
-    calls, results, reads = reply.message["tool_calls"], [], []
-
-    def run_waiting_reads():
-        """Run the reads collected so far, together, and put each result in its place."""
-        for (place, _, _), result in zip(reads, run_reads(session, reads)):
-            results[place] = result
-        reads.clear()
-
-    for call, arguments in zip(calls, reply.arguments):
+def run_calls(session, reply, asked):
+    """Yield the results of a reply's tool calls in the order of the calls, each as soon as it
+    and those before it are known. Reads run side by side; each change runs alone, in its
+    place, after the reads before it and before those after. A call repeated too often, or
+    the last of a reply cut off by the token cap, is not run."""
+    tool_calls, reads = reply.message["tool_calls"], []
+    for place, (call, arguments) in enumerate(zip(tool_calls, reply.arguments)):
         name = call["function"]["name"]
         key = (session.changes, name, call["function"]["arguments"], str(arguments))
         asked[key] += 1
-        if reply.finish_reason == "length" and call is calls[-1]:
+        if reply.finish_reason == "length" and call is tool_calls[-1]:
             # subtle: the server may have patched up a call the cap cut in half
-            results.append(CUT_OFF.format(session.cfg.max_tokens))
+            result = CUT_OFF.format(session.cfg.max_tokens)
         elif asked[key] > REPEAT_LIMIT:
-            results.append(REPEATED.format(name, REPEAT_LIMIT))
-        elif name in session.serial:
-            run_waiting_reads()
-            results.append(run_call(session, name, arguments, len(results)))
+            result = REPEATED.format(name, REPEAT_LIMIT)
+        elif name not in session.serial:
+            reads.append((place, name, arguments))   # to run with the other reads
+            continue
         else:
-            reads.append((len(results), name, arguments))
-            results.append(None)                 # filled in when the reads run together
-    run_waiting_reads()
-    return results
+            yield from run_reads(session, reads)
+            reads, result = [], run_call(session, name, arguments, place)
+        yield from run_reads(session, reads)
+        reads = []
+        yield result
+    yield from run_reads(session, reads)
 
 
 # A tool that can hold the interpreter for long inside one call (search, by way of Python's
@@ -2347,6 +2363,8 @@ MAIN_THREAD_ONLY = {"search"}
 
 def run_reads(session, reads) -> list:
     """Run read-only calls [(place, name, arguments)] at the same time; results in order."""
+    if not reads:
+        return []
     results, threads, slots = [None] * len(reads), {}, threading.BoundedSemaphore(8)
 
     def run(i, place, name, arguments):
@@ -2365,6 +2383,9 @@ def run_reads(session, reads) -> list:
         thread.join(TOOL_SECONDS + 5)
         if thread.is_alive():
             results[i] = f"error: timeout: the tool ran for over {TOOL_SECONDS} s and was left"
+            session.emit("tool_call", name=reads[i][1], arguments=reads[i][2], ok=False,
+                         seconds=TOOL_SECONDS + 5, depth=len(session.indent) // 4,
+                         round=session.usage["rounds"], place=reads[i][0], result=results[i])
     return results
 
 
@@ -2379,8 +2400,10 @@ def run_call(session, name, arguments, place=0) -> str:
                      lambda *request: ask_permission(session, *request), session.handlers)
     if session.interrupted:   # a read still running when Ctrl+C came: keep quiet
         return result
+    seconds = time.monotonic() - start
     session.emit("tool_call", name=name, arguments=arguments, ok=not result.startswith("error:"),
-                 seconds=round(time.monotonic() - start, 3), depth=len(session.indent) // 4,
+                 start=round(time.time() - seconds, 3), seconds=round(seconds, 3),
+                 depth=len(session.indent) // 4,
                  round=session.usage["rounds"], place=place, result=result[:200])
     if changing and not result.startswith("error:"):
         session.changes += 1   # the workspace changed: the same call may now give news
@@ -2457,7 +2480,8 @@ def count_usage(session, data, sent, seconds):
     session.usage.update(rounds=1, prompt=prompt, cached=cached, generated=generated,
                          seconds=seconds)
     choice = data["choices"][0] if data.get("choices") else {}
-    session.emit("model_call", seconds=round(seconds, 3), prompt_tokens=prompt,
+    session.emit("model_call", start=round(time.time() - seconds, 3),
+                 seconds=round(seconds, 3), prompt_tokens=prompt,
                  cached_tokens=cached, completion_tokens=generated,
                  finish_reason=choice.get("finish_reason"), depth=len(session.indent) // 4)
     if prompt:
@@ -2481,15 +2505,17 @@ def run_turn(session, question) -> str:
             save(session)
             tool_calls = reply.message.get("tool_calls", [])
             if not tool_calls:
+                session.exit_reason = "answer"
                 if reply.finish_reason == "length":
                     session.say(f"  (answer cut off at {session.cfg.max_tokens} tokens; raise "
                                 f"--max-tokens)", YELLOW)
-                session.exit_reason = "answer"
+                    session.exit_reason = "max_tokens"
                 return reply.message["content"]
             if reply.message["content"] and "content" not in session.shown:
                 session.say(printable(reply.message["content"]))   # thinking aloud
             for call, result in zip(tool_calls, run_calls(session, reply, asked)):
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+                save(session)            # a result is kept even if the next call never ends
             if max(asked.values()) > REPEAT_LIMIT + 1:
                 why = "repeated_call"
                 break
@@ -2575,18 +2601,59 @@ class McpError(Exception):
 class McpServer:
     """One MCP server: a child process in its own process group, one JSON message per line."""
 
-    def __init__(self, name, spec, cfg):
-        """Start the process; spec is {"command", "args", "env"} with ${VAR} already expanded."""
-        self.name, self.tools, self.state, self.version = name, [], "starting", ""
+    def __init__(self, name, spec):
+        """spec: {"command", "args", "env"}, with ${VAR} already filled in. start() starts it."""
+        self.name, self.spec, self.tools, self.state, self.version = name, spec, [], "", ""
         self.pending, self.lock, self.ids = {}, threading.Lock(), itertools.count(1)
-        self.log = os.path.join(cfg.state, "mcp", re.sub(r"[^\w.-]", "_", name) + ".log")
-        os.makedirs(os.path.dirname(self.log), exist_ok=True)
-        with open(self.log, "ab") as log:   # subtle: stderr to a file, never a pipe nobody reads
-            self.process = subprocess.Popen(
-                [spec["command"], *spec.get("args", [])], cwd=cfg.root, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=log, env=dict(cfg.shell_env, **spec.get("env", {})),
-                start_new_session=True)
-        threading.Thread(target=self.read, daemon=True).start()
+        self.process, self.born, self.log, self.gone, self.reader = None, 0, "", False, None
+
+    def start(self, cfg):
+        """Start the process, then the handshake and every page of tools/list; the state says
+        how it went: ready, or failed and why."""
+        self.state = "starting"
+        try:
+            self.log = os.path.join(cfg.state, "mcp", re.sub(r"[^\w.-]", "_", self.name) + ".log")
+            os.makedirs(os.path.dirname(self.log), exist_ok=True)
+            adopt_orphans()
+            with open(self.log, "ab") as log:   # subtle: stderr to a file, never to a pipe
+                self.process = subprocess.Popen(   # that nobody reads, which could fill up
+                    [self.spec["command"], *self.spec["args"]], cwd=cfg.root,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                    env=dict(cfg.shell_env, **self.spec["env"]), start_new_session=True)
+            self.born = start_time(self.process.pid)
+            os.set_blocking(self.process.stdin.fileno(), False)   # see send()
+            self.reader = threading.Thread(target=self.read, daemon=True)
+            self.reader.start()
+            self.handshake()
+        except OSError as e:   # no such command, not executable, a state folder we can't use
+            self.state = f"failed: cannot run {self.spec['command']!r}: {e.strerror or e}"
+        except McpError as e:
+            self.state = f"failed: {e}"
+
+    def handshake(self):
+        """initialize, initialized, then tools/list until there is no nextCursor."""
+        hello = self.request("initialize", {
+            "protocolVersion": MCP_PROTOCOL, "capabilities": {},
+            "clientInfo": {"name": "agent.py", "version": VERSION}})
+        self.version = str(hello.get("protocolVersion", ""))
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", self.version) or self.version > MCP_PROTOCOL:
+            raise McpError(f"MCP server {self.name} speaks protocol {self.version!r}, not "
+                           f"{MCP_PROTOCOL} or an earlier dated version")
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        cursor, seen, names = None, set(), set()
+        while True:
+            page = self.request("tools/list", {"cursor": cursor} if cursor else {})
+            tools = page.get("tools") if isinstance(page.get("tools"), list) else []
+            for tool in tools:   # a tool listed twice is offered once
+                if isinstance(tool, dict) and isinstance(tool.get("name"), str) and \
+                        tool["name"] not in names:
+                    names.add(tool["name"])
+                    self.tools.append(tool)
+            cursor = page.get("nextCursor")
+            if not isinstance(cursor, str) or not cursor or cursor in seen:   # the end, or a
+                break                                                          # loop of pages
+            seen.add(cursor)
+        self.state = "ready"
 
     def read(self):
         """Sort what the server writes: answers to our requests, its own requests, the rest."""
@@ -2601,11 +2668,13 @@ class McpServer:
                 if "id" in message:
                     self.answer(message)
                 continue
-            waiting = self.pending.pop(message.get("id"), None)
+            number = message.get("id")
+            waiting = self.pending.pop(number, None) if isinstance(number, int) else None
             if waiting:
                 waiting.append(message)
                 waiting[0].set()
-        self.state = "exited"
+        self.state = "exited" if self.state == "ready" else self.state
+        self.gone = True
         for waiting in list(self.pending.values()):   # nobody will answer these now
             waiting[0].set()
 
@@ -2613,22 +2682,33 @@ class McpServer:
         """Answer the server's own request: ping with {}, anything else with 'not found'."""
         reply = {"result": {}} if request["method"] == "ping" else \
             {"error": {"code": -32601, "message": f"method not found: {request['method']}"}}
-        self.send(dict({"jsonrpc": "2.0", "id": request["id"]}, **reply))
+        try:
+            self.send(dict({"jsonrpc": "2.0", "id": request["id"]}, **reply))
+        except McpError:
+            pass   # it has stopped listening: there is no one to answer
 
     def send(self, message):
-        """Write one message, as one line."""
-        try:
-            with self.lock:
-                self.process.stdin.write(json.dumps(message).encode() + b"\n")
-                self.process.stdin.flush()
-        except (OSError, ValueError):   # the pipe is closed: the server has gone
-            raise McpError(f"MCP server {self.name} has exited (its log: {self.log})") from None
+        """Write one message, as one line, within MCP_SECONDS."""
+        # subtle: a server that has stopped reading would make a plain write wait for ever:
+        # its stdin does not block, and each piece is written as the pipe takes it
+        data = memoryview(json.dumps(message).encode() + b"\n")
+        deadline = time.monotonic() + MCP_SECONDS
+        with self.lock:
+            while data:
+                try:
+                    if not select.select([], [self.process.stdin], [],
+                                         max(deadline - time.monotonic(), 0))[1]:
+                        raise McpError(f"MCP server {self.name} stopped reading its input")
+                    data = data[os.write(self.process.stdin.fileno(), data):]
+                except (OSError, ValueError):   # the pipe is closed: the server has gone
+                    raise McpError(f"MCP server {self.name} has exited (its log: "
+                                   f"{self.log})") from None
 
     def request(self, method, params):
         """Send a request and wait for its answer: the result, or an McpError."""
         number, waiting = next(self.ids), [threading.Event()]
         self.pending[number] = waiting
-        if self.state == "exited":   # subtle: the reader may have stopped before we asked
+        if self.gone:   # subtle: the reader may have stopped before we asked
             waiting[0].set()
         self.send({"jsonrpc": "2.0", "id": number, "method": method, "params": params})
         if not waiting[0].wait(MCP_SECONDS):
@@ -2644,32 +2724,11 @@ class McpServer:
         result = waiting[1].get("result")
         return result if isinstance(result, dict) else {}
 
-    def start(self):
-        """The handshake, then every page of tools/list; the state says how it went."""
-        try:
-            hello = self.request("initialize", {
-                "protocolVersion": MCP_PROTOCOL, "capabilities": {},
-                "clientInfo": {"name": "agent.py", "version": VERSION}})
-            self.version = str(hello.get("protocolVersion", ""))
-            if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", self.version):   # any dated version
-                raise McpError(f"MCP server {self.name} speaks no protocol version we know")
-            self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-            cursor, tools = None, []
-            for _ in range(100):   # pages, until there is no nextCursor
-                page = self.request("tools/list", {"cursor": cursor} if cursor else {})
-                tools += [t for t in page.get("tools") or [] if isinstance(t, dict) and
-                          isinstance(t.get("name"), str)]
-                cursor = page.get("nextCursor")
-                if not cursor:
-                    break
-            self.tools, self.state = tools, "ready"
-        except McpError as e:
-            self.state = f"failed: {e}"
-
     def call(self, tool, arguments) -> str:
         """Call one tool; its content as text for the model."""
         result = self.request("tools/call", {"name": tool, "arguments": arguments})
-        text = "\n".join(describe_content(item) for item in result.get("content") or [])
+        content = result.get("content") if isinstance(result.get("content"), list) else []
+        text = "\n".join(describe_content(item) for item in content)
         if not text and result.get("structuredContent") is not None:
             text = json.dumps(result["structuredContent"])
         if result.get("isError"):
@@ -2677,15 +2736,20 @@ class McpServer:
         return text or "(no content)"
 
     def stop(self):
-        """Close its stdin, give it a moment to leave, then end its process group."""
+        """Close its stdin, give it a moment to leave, then end its process group, and any
+        process it set loose."""
+        if self.process is None:
+            return
         try:
             self.process.stdin.close()
             self.process.wait(MCP_STOP_SECONDS)
         except (OSError, subprocess.TimeoutExpired):
             pass
-        kill_group(self.process.pid, self.process.poll)
-        self.process.wait()
-        self.process.stdout.close()
+        kill_tree(self.process, self.born)
+        if self.reader:   # with everything it started gone, its output ends; else leave it
+            self.reader.join(1)
+        if not (self.reader and self.reader.is_alive()):
+            self.process.stdout.close()
 
 
 def describe_content(item) -> str:
@@ -2709,31 +2773,35 @@ def describe_content(item) -> str:
 
 def tool_name(server, tool, taken) -> str:
     """mcp__SERVER__TOOL, made to fit ^[a-zA-Z0-9_-]{1,64}$ and to differ from names taken."""
-    name = re.sub(r"[^a-zA-Z0-9_-]", "_", f"mcp__{server}__{tool}")
-    if len(name) > 64 or name in taken:   # shortened, with a hash of the whole to tell apart
-        digest = hashlib.sha1(f"{server}\0{tool}".encode()).hexdigest()[:8]
-        name = f"{name[:55]}_{digest}"
+    name, n = re.sub(r"[^a-zA-Z0-9_-]", "_", f"mcp__{server}__{tool}"), 0
+    while len(name) > 64 or name in taken:   # shortened, with a hash of the whole to tell apart
+        digest = hashlib.sha1(f"{server}\0{tool}\0{n}".encode()).hexdigest()[:8]
+        name, n = f"{name[:55]}_{digest}", n + 1
     return name
 
 
 def start_mcp(session):
     """Start the configured MCP servers side by side; offer their tools to the model."""
-    servers = [McpServer(name, spec, session.cfg) for name, spec in session.cfg.mcp.items()
-               if permitted(session, name, spec)]
-    starting = [threading.Thread(target=s.start, daemon=True) for s in servers]
+    if session.cfg.mcp_problem:
+        session.say(f"mcp: {session.cfg.mcp_problem}", YELLOW)
+    for name, spec in session.cfg.mcp.items():
+        if permitted(session, name, spec):
+            session.servers.append(McpServer(name, spec))   # stop_mcp() stops what is here
+    starting = [threading.Thread(target=s.start, args=(session.cfg,), daemon=True)
+                for s in session.servers]
     for thread in starting:
         thread.start()
     for thread in starting:
         thread.join(MCP_SECONDS + 1)
-    for server in servers:
-        session.servers.append(server)
+    for server in session.servers:
         if server.state == "starting":
             server.state = f"failed: it did not start within {MCP_SECONDS} s"
         if server.state != "ready":
             session.say(f"mcp: {server.name}: {server.state}", YELLOW)
             continue
         for tool in server.tools:
-            read_only = (tool.get("annotations") or {}).get("readOnlyHint") is True
+            hints = tool.get("annotations") if isinstance(tool.get("annotations"), dict) else {}
+            read_only = hints.get("readOnlyHint") is True
             if session.cfg.read_only and not read_only:
                 continue
             name = tool_name(server.name, tool["name"], session.handlers)
@@ -2776,7 +2844,6 @@ def stop_mcp(session):
     """Stop every MCP server this session started."""
     for server in session.servers:
         server.stop()
-    session.servers.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2820,7 +2887,10 @@ def run_task(session, description, prompt) -> str:
                          session.transport if session.cfg.demo else None)
     helper.indent, helper.sinks = session.indent + "    ", session.sinks
     helper.token_param, helper.stream_options = session.token_param, session.stream_options
-    answer = run_turn(helper, prompt)
+    try:
+        answer = run_turn(helper, prompt)
+    finally:   # what the helper spent is the session's too (its rounds are its own)
+        session.usage.update({k: v for k, v in helper.usage.items() if k != "rounds"})
     used = helper.usage
     return (f"{answer}\n\n[task {description!r}: {used['rounds']} rounds, "
             f"{used['prompt'] + used['generated']:,} tokens]")
@@ -2861,17 +2931,20 @@ def start_saving(session):
     """Give the session a new file to be saved in, named by its start time."""
     folder = sessions_dir(session.cfg)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    name = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid() % 10000:04d}"
+    name = time.strftime("%Y%m%d-%H%M%S")
+    while os.path.exists(os.path.join(folder, name + ".jsonl")) or name.count("-") < 2:
+        name = time.strftime("%Y%m%d-%H%M%S") + f"-{random.randrange(16 ** 4):04x}"
     session.path, session.saved = os.path.join(folder, name + ".jsonl"), 0
     save(session)
 
 
 def saved_sessions(cfg) -> list:
-    """This workspace's saved sessions, oldest first, as (id, path)."""
+    """This workspace's saved sessions, as (id, path), the one used last at the end."""
     folder = sessions_dir(cfg)
-    names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")) \
+    names = [n for n in os.listdir(folder) if n.endswith(".jsonl")] \
         if os.path.isdir(folder) else []
-    return [(n[:-len(".jsonl")], os.path.join(folder, n)) for n in names]
+    paths = sorted((os.path.join(folder, n) for n in names), key=os.path.getmtime)
+    return [(os.path.basename(p)[:-len(".jsonl")], p) for p in paths]
 
 
 def resume(session, wanted):
@@ -2905,6 +2978,7 @@ def repair(messages, system) -> list:
     summary = text_of(first.get("content")).partition(SUMMARY_HEADER)[2]
     fixed = [{"role": "system", "content": system + (SUMMARY_HEADER + summary if summary else "")}]
     results = {}   # tool_call_id -> result, for the calls of the last assistant message
+    ids = set()    # every tool-call id kept so far
 
     def close_group():
         """Put the results of the last calls in their order; the missing ones interrupted."""
@@ -2916,17 +2990,21 @@ def repair(messages, system) -> list:
     for message in messages[1:] if first else messages:
         role = message.get("role")
         if role == "tool":   # kept if it answers one of the last calls; else dropped
-            results.setdefault(message.get("tool_call_id"), text_of(message.get("content")))
+            if isinstance(message.get("tool_call_id"), str):
+                results.setdefault(message["tool_call_id"], text_of(message.get("content")))
             continue
         close_group()
         if role == "user":
             fixed.append({"role": "user", "content": text_of(message.get("content"))})
         elif role == "assistant":
+            listed = message.get("tool_calls")
+            listed = listed if isinstance(listed, list) else []
             calls = [{"id": c["id"], "type": "function", "function": {
                 "name": str(c["function"].get("name") or ""),
                 "arguments": json_arguments(c["function"].get("arguments"))}}
-                for c in message.get("tool_calls") or [] if isinstance(c, dict) and
-                isinstance(c.get("id"), str) and isinstance(c.get("function"), dict)]
+                for c in listed if isinstance(c, dict) and isinstance(c.get("id"), str) and
+                isinstance(c.get("function"), dict) and c["id"] not in ids]
+            ids.update(c["id"] for c in calls)   # an id used twice: the second call dropped
             fixed.append(dict({"role": "assistant", "content": text_of(message.get("content"))},
                               **({"tool_calls": calls} if calls else {})))
     close_group()
@@ -3275,25 +3353,36 @@ def demo(cfg) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def start_session(cfg) -> Session:
-    """A session as the command line asks for it: shown on the terminal, its MCP servers
-    started, saved as it goes (or resumed), traced if asked."""
+    """A session as the command line asks for it: shown on the terminal, traced if asked,
+    resumed or saved from its start. (Its MCP servers are started by main.)"""
     session = new_session(cfg)
     screen = Screen(session, clock=sys.stderr.isatty())
     session.show = screen.show if cfg.output == "text" else None
     session.transport = screen.wrap(lambda body: post_chat(session, body))
     if cfg.trace:
-        trace = open(cfg.trace, "a", encoding="utf-8")
+        try:
+            trace = open(cfg.trace, "a", encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"cannot write the trace to {cfg.trace}: {e.strerror}") from None
         session.sinks.append(lambda event: (trace.write(json.dumps(event) + "\n"),
                                             trace.flush()))
     if cfg.output == "jsonl":
         session.sinks.append(lambda event: print(json.dumps(event), flush=True))
-    start_mcp(session)
     add_task_tool(session)
-    if cfg.resume is None:
-        start_saving(session)
-    else:
+    if cfg.resume is not None:
         resume(session, cfg.resume)
+    else:
+        try:
+            start_saving(session)
+        except OSError as e:   # a state folder that cannot be written: go on unsaved
+            session.path = ""
+            session.say(f"agent: this session is not saved: {e}", YELLOW)
     return session
+
+
+def leave(signum, frame):
+    """SIGTERM or SIGHUP: leave as after Ctrl+C, so that the MCP servers are stopped."""
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
@@ -3301,6 +3390,8 @@ def main(argv=None) -> int:
     for stream in (sys.stdout, sys.stderr):   # never die printing a character the terminal lacks
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
+    for hangup in (signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)):
+        signal.signal(hangup, leave)   # a closed terminal or a kill: tidy up all the same
     try:
         cfg = load_config(argv)
         if cfg.demo:
@@ -3317,6 +3408,7 @@ def main(argv=None) -> int:
             question = f"{question}\n\n<stdin>\n{stdin}\n</stdin>" if question else stdin
         session = start_session(cfg)
         try:
+            start_mcp(session)
             if question.strip():
                 return one_shot(session, question)
             if piped:

@@ -1724,11 +1724,13 @@ class LoopTest(unittest.TestCase):
 # A small MCP server, standard library only, for the tests: it speaks JSON-RPC on stdin and
 # stdout, lists its tools in two pages, and has a tool for each thing that can go wrong.
 MCP_SERVER = r'''
-import json, sys, time
+import json, os, subprocess, sys, time
 if "slow" in sys.argv:
     time.sleep(0.5)
 if "mute" in sys.argv:
     time.sleep(60)
+if "escape" in sys.argv:   # a child that leaves the group, holding our stdout open
+    subprocess.Popen(["setsid", "sleep", sys.argv[-1]])
 TOOLS = [{"name": "echo", "description": "Say it back", "annotations": {"readOnlyHint": True},
           "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}},
          {"name": "fail", "description": "Always fails"},
@@ -1759,7 +1761,11 @@ for line in sys.stdin:
     elif method == "tools/list":
         second = (request.get("params") or {}).get("cursor") == "page2"
         page = {"tools": TOOLS[3:]} if second else {"tools": TOOLS[:3], "nextCursor": "page2"}
+        if "dupes" in sys.argv:   # every tool twice, and pages that never end
+            page = {"tools": TOOLS[:2] * 2, "nextCursor": "again"}
         send({"jsonrpc": "2.0", "id": request["id"], "result": page})
+        if "deaf" in sys.argv and second:   # from now on, never read again
+            time.sleep(60)
     elif method == "tools/call":
         name, arguments = request["params"]["name"], request["params"].get("arguments") or {}
         if name == "echo":
@@ -1853,6 +1859,44 @@ class McpTest(unittest.TestCase):
         self.assertIn("mcp: test: failed: MCP server test did not answer initialize", warning)
         self.assertFalse([t for t in session.tools if "mcp__" in t["function"]["name"]])
 
+    def test_a_server_that_stops_listening_or_misbehaves_cannot_hang_us(self):
+        """A server that stops reading its input, one whose child holds its output open, one
+        that lists tools twice in endless pages, one that cannot run: errors and warnings."""
+        with unittest.mock.patch.object(agent, "MCP_SECONDS", 0.5):
+            session, _ = self.start("http://127.0.0.1:9/v1", "deaf")
+            result = self.call(session, "mcp__test__echo", text="x" * 300_000)
+            self.assertTrue(result.startswith("error: mcp_error: MCP server test stopped "
+                                              "reading its input"), result[:200])
+            started = time.monotonic()
+            agent.stop_mcp(session)
+            self.assertLess(time.monotonic() - started, 5)
+        naptime = "%.4f" % (500 + random.random())
+        session, _ = self.start("http://127.0.0.1:9/v1", "escape", naptime)
+        agent.stop_mcp(session)
+        self.assertEqual(subprocess.run(["pgrep", "-f", "sleep " + naptime],
+                                        capture_output=True).stdout, b"")
+        session, _ = self.start("http://127.0.0.1:9/v1", "dupes")
+        names = [t["function"]["name"] for t in session.tools if "mcp__" in t["function"]["name"]]
+        self.assertEqual(names, ["mcp__test__echo", "mcp__test__fail"])
+        path = os.path.join(STATE, "broken.json")
+        with open(path, "w") as f:
+            json.dump({"mcpServers": {"gone": {"command": "/no/such/program"}}}, f)
+        session = agent.new_session(config("http://127.0.0.1:9/v1", "--mcp", path,
+                                           XDG_STATE_HOME=STATE))
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            agent.start_mcp(session)
+        self.assertIn("mcp: gone: failed: cannot run '/no/such/program'", err.getvalue())
+
+    def test_a_broken_workspace_mcp_json_is_a_warning(self):
+        """A workspace's .mcp.json that is not what it should be is named, and passed over."""
+        with open(os.path.join(WORK, ".mcp.json"), "w") as f:
+            f.write('{"servers": []}')
+        self.addCleanup(os.unlink, os.path.join(WORK, ".mcp.json"))
+        with CannedServer([reply("fine")]) as server:
+            code, out, err = cli(["q"], url=server.url)
+        self.assertEqual((code, out), (0, "fine\n"))
+        self.assertIn('.mcp.json not used: it has no "mcpServers" object', err)
+
     def test_tools_not_marked_read_only_ask_first(self):
         """Without readOnlyHint a tool asks first: with no terminal to ask on, it is refused."""
         script = [calls(tool_call("mcp__test__fail"), tool_call("mcp__test__echo", text="ok")),
@@ -1914,7 +1958,8 @@ class SessionFileTest(unittest.TestCase):
         (the open call answered as interrupted) and carries on."""
         naptime = "%.4f" % (400 + random.random())
         state = tempfile.mkdtemp(dir=STATE)
-        with CannedServer([calls(tool_call("run_shell", command="sleep " + naptime)),
+        with CannedServer([calls(tool_call("write_file", path="kept.txt", content="k\n"),
+                                 tool_call("run_shell", command="sleep " + naptime)),
                            reply("carried on")]) as server:
             env = dict(os.environ, LLM_URL=server.url, LLM_MODEL="m", AGENT_ROOT=WORK,
                        XDG_STATE_HOME=state, NO_COLOR="1")
@@ -1927,15 +1972,17 @@ class SessionFileTest(unittest.TestCase):
             p.kill()   # no chance to tidy up: as if the machine had gone
             p.wait()
             subprocess.run(["pkill", "-f", "sleep " + naptime])
+            os.unlink(os.path.join(WORK, "kept.txt"))
             code, out, _ = cli(["--continue", "second question"], url=server.url,
                                env={"XDG_STATE_HOME": state})
             sent = server.bodies()[-1]["messages"]
         self.assertEqual((code, out), (0, "carried on\n"))
         self.assertEqual([m["role"] for m in sent],
-                         ["system", "user", "assistant", "tool", "assistant", "user"])
+                         ["system", "user", "assistant", "tool", "tool", "assistant", "user"])
         self.assertEqual(sent[1]["content"], "first question")
-        self.assertTrue(sent[3]["content"].startswith("error: interrupted"))
-        self.assertEqual(sent[5]["content"], "second question")
+        self.assertEqual(sent[3]["content"], "created kept.txt: 1 lines, 2 B")   # it was made
+        self.assertTrue(sent[4]["content"].startswith("error: interrupted"))
+        self.assertEqual(sent[6]["content"], "second question")
         assert_valid(self, sent)
 
     def test_repair_makes_any_saved_transcript_sendable(self):
@@ -1948,12 +1995,14 @@ class SessionFileTest(unittest.TestCase):
                       "function": {"name": "y", "arguments": "{}"}}]},
                  {"role": "tool", "tool_call_id": "b", "content": "fine"},
                  {"role": "tool", "tool_call_id": "zz", "content": "answers nothing"},
+                 {"role": "tool", "tool_call_id": ["odd"], "content": "odd"},
+                 {"role": "assistant", "content": "x", "tool_calls": 5},
                  {"role": "user", "content": ["part"]}]
         fixed = agent.repair(messy, "new prompt")
         assert_valid(self, fixed)
         self.assertEqual(fixed[0]["content"], "new prompt" + agent.SUMMARY_HEADER + "sum")
-        self.assertEqual([m["role"] for m in fixed],
-                         ["system", "user", "assistant", "tool", "tool", "user", "assistant"])
+        self.assertEqual([m["role"] for m in fixed], ["system", "user", "assistant", "tool",
+                                                      "tool", "assistant", "user", "assistant"])
         self.assertEqual(fixed[2]["tool_calls"][0]["function"]["arguments"], "{}")
 
 
