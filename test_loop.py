@@ -1311,7 +1311,7 @@ class StreamTest(unittest.TestCase):
         ends up holding the answer, reasoning goes to stderr."""
         pieces = sse(delta(reasoning_content="hmm"), delta(content="Hello"),
                      delta(content=" world"), delta("stop"))
-        with CannedServer([{"sse": pieces, "pause": 0.3}]) as server:
+        with CannedServer([{"sse": pieces, "pause": 0.15}]) as server:
             env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "AGENT_"))}
             env.update(LLM_URL=server.url, LLM_MODEL="m", AGENT_ROOT=WORK, NO_COLOR="1")
             p = subprocess.Popen([sys.executable, AGENT, "hi"], stdout=subprocess.PIPE,
@@ -1804,6 +1804,11 @@ def mcp_config(*modes):
 
 
 class McpTest(unittest.TestCase):
+
+    def setUp(self):
+        patch = unittest.mock.patch.object(agent, "MCP_STOP_SECONDS", 0.2)   # quick goodbyes
+        patch.start()
+        self.addCleanup(patch.stop)
 
     def start(self, url="http://127.0.0.1:9/v1", *modes, flags=("--yes",)):
         """A session with the test MCP server started in it."""
