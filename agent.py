@@ -2931,8 +2931,8 @@ def start_saving(session):
     """Give the session a new file to be saved in, named by its start time."""
     folder = sessions_dir(session.cfg)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    name = time.strftime("%Y%m%d-%H%M%S")
-    while os.path.exists(os.path.join(folder, name + ".jsonl")) or name.count("-") < 2:
+    name = ""
+    while not name or os.path.exists(os.path.join(folder, name + ".jsonl")):
         name = time.strftime("%Y%m%d-%H%M%S") + f"-{random.randrange(16 ** 4):04x}"
     session.path, session.saved = os.path.join(folder, name + ".jsonl"), 0
     save(session)
