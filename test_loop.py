@@ -1347,13 +1347,7 @@ class StreamTest(unittest.TestCase):
             term.process.send_signal(signal.SIGINT)
             term.expect("interrupted; the conversation is kept")
             self.assertLess(time.monotonic() - started, 2)
-            term.expect("› ")
-            term.type("again\n")
-            term.expect("next answer")
-            term.type("/quit\n")
-            self.assertEqual(term.close(), 0)
-            self.assertEqual([m["role"] for m in server.bodies()[-1]["messages"]],
-                             ["system", "user", "assistant", "user"])
+            term.goes_on_after_ctrl_c(self, server)
 
 
 class NormaliseTest(unittest.TestCase):
@@ -2183,6 +2177,18 @@ class Terminal:
     def type(self, keys):
         os.write(self.master, keys.encode())
 
+    def goes_on_after_ctrl_c(self, test, server):
+        """After a Ctrl+C: the next question gets its answer ("next answer", scripted), /quit
+        leaves with 0, and the interrupted turn was closed (user, assistant, then user)."""
+        self.expect("› ")
+        self.type("again\n")
+        self.expect("next answer")
+        self.expect("› ")
+        self.type("/quit\n")
+        test.assertEqual(self.close(), 0)
+        test.assertEqual([m["role"] for m in server.bodies()[-1]["messages"]],
+                         ["system", "user", "assistant", "user"])
+
     def close(self):
         """Wait for the process to exit; return its exit code."""
         code = self.process.wait(timeout=10)
@@ -2237,14 +2243,7 @@ class ReplTest(unittest.TestCase):
                 time.sleep(0.02)
             term.process.send_signal(signal.SIGINT)   # what Ctrl+C sends
             term.expect("interrupted; the conversation is kept")
-            term.expect("› ")
-            term.type("again\n")
-            term.expect("next answer")
-            term.expect("› ")
-            term.type("/quit\n")
-            self.assertEqual(term.close(), 0)
-            self.assertEqual([m["role"] for m in server.bodies()[-1]["messages"]],
-                             ["system", "user", "assistant", "user"])
+            term.goes_on_after_ctrl_c(self, server)
         self.assertNotIn(b"Traceback", term.shown)
 
 
