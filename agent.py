@@ -57,7 +57,7 @@ the extensions (20-22) and the terminal (23-26).
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
     messages    the transcript: every message so far, sent whole each round; only appended to,
-                but for a compaction (section 17), which rewrites it once
+                but for a compaction (section 17), /clear and a resumed session
     tool call   {"id", "type": "function", "function": {"name", "arguments": JSON text}} in
                 an assistant message, answered by one {"role": "tool", "tool_call_id", "content"}
 
@@ -202,12 +202,13 @@ def parse_args(argv):
     p.add_argument("question", nargs="*", help="ask this once and exit (no question: a session)")
     p.add_argument("--url", help="OpenAI-compatible base URL (LLM_URL)")
     p.add_argument("--model", help="model name (LLM_MODEL; default: the server's first)")
-    p.add_argument("--timeout", help="seconds per request (LLM_TIMEOUT, default 300)")
+    p.add_argument("--timeout", help="seconds of silence allowed per request (LLM_TIMEOUT, "
+                   "default 300)")
     p.add_argument("--max-tokens", help="cap on each reply, 0 = none (LLM_MAX_TOKENS, 4096)")
     p.add_argument("--root", help="the directory the tools work in (AGENT_ROOT, default .)")
     p.add_argument("--max-turns", help="tool rounds per question (MAX_TURNS, default 20)")
     p.add_argument("--context", help="context budget in tokens (AGENT_CONTEXT, default: the "
-                   "server's)")
+                   "server's, else 32768)")
     p.add_argument("--yes", action="store_true", help="allow every change and command without "
                    "asking (AGENT_YES=1)")
     p.add_argument("--read-only", action="store_true", help="offer no tool that changes "
@@ -420,8 +421,9 @@ class Session:
 # 3. The prompt
 # ----------------------------------------------------------------------------------------------
 # The system prompt is the first message of every request: these rules, then the project's own
-# instructions (AGENTS.md) and the skills it offers (section 6). It never changes during a
-# session (no clock, no counters), so a server can reuse its cached prefix round after round.
+# instructions (AGENTS.md) and the skills it offers (section 6). It holds no clock and no
+# counter, so it stays the same for the whole session (but for the summary a compaction adds
+# to it), and a server can reuse its cached prefix round after round.
 
 SYSTEM_PROMPT = """\
 You are a coding agent in the workspace {root}, on {platform}. You work on the code there \
@@ -505,8 +507,8 @@ TOOLS = [
         f"Read a text file as numbered lines ('    12\\tline'), 200 lines from offset by "
         f"default, and at most {LIMIT_CAP} lines or about {RESULT_CAP:,} characters. A header "
         f"says which lines of how many are shown and the offset to continue from. Lines over "
-        f"{LINE_CAP} characters are cut. Binary files cannot be read (run_shell with xxd or "
-        f"file can look at them).",
+        f"{LINE_CAP} characters are cut. Binary files cannot be read (where run_shell is "
+        f"offered, xxd or file can look at them).",
         required=["path"],
         path=string("file relative to the workspace root"),
         offset=integer("first line to show, 1-based; default 1"),
@@ -514,7 +516,8 @@ TOOLS = [
     tool_schema(
         "search",
         f"Search file contents with a Python regular expression, line by line, in the text files "
-        f"below path (skipping .git, binary files and what .gitignore ignores). Returns "
+        f"below path (skipping .git, binary files and, in a git repository, what .gitignore "
+        f"ignores). Returns "
         f"'path:line: text' rows, at most {MATCH_CAP}, and the total count; no match is a "
         f"normal answer. Escape regex characters such as ( [ . * to match them literally.",
         required=["pattern"],
@@ -525,7 +528,8 @@ TOOLS = [
         "find_files",
         f"Find files by path with a glob: '*' and '?' stay within one directory, '**' spans "
         f"any number, '{{a,b}}' picks one. A pattern without '/' matches file names at any "
-        f"depth. Skips .git and what .gitignore ignores. Returns sorted paths, at most "
+        f"depth. Skips .git and, in a git repository, what .gitignore ignores. Returns sorted "
+        f"paths, at most "
         f"{PATH_CAP}.",
         required=["pattern"],
         pattern=string("glob, e.g. '*.py', 'src/**/test_*.py' or '**/{README,LICENSE}*'")),
@@ -1030,7 +1034,7 @@ def find_files(cfg, pattern):
 # expression. Two things make it fast: ripgrep, where installed, scans the tree instead; and
 # the Python scan rules a file out on its raw bytes, where it can, before decoding it. Neither
 # can be made to run without end by a pattern: a regex that could run across lines is tried
-# line by line, and the loops check the deadline the executor sets (section 5).
+# line by line, and the loops check the deadline that TimeLimit sets (section 5).
 
 # A pattern that can match a newline or see past the end of a line ([^x], \s, \n, (?s), a
 # negative lookaround, \A, \Z) would run across lines, and for long, on a whole text at once.
@@ -1091,7 +1095,9 @@ def byte_prefilter(pattern) -> Optional["re.Pattern"]:
     if NOT_BYTE_SAFE.search(pattern) or crosses_lines(pattern):
         return None
     try:
-        return re.compile(pattern.encode(), re.MULTILINE)
+        with warnings.catch_warnings():   # [[:alpha:]] and the like draw a FutureWarning
+            warnings.simplefilter("ignore")
+            return re.compile(pattern.encode(), re.MULTILINE)
     except re.error:
         return None
 
@@ -2857,7 +2863,8 @@ def stop_mcp(session):
 TASK = tool_schema(
     "task",
     "Hand a self-contained piece of research to a helper agent: it starts a fresh conversation "
-    "with the reading tools only (list_dir, read_file, search, find_files), works until it can "
+    "with the reading tools only (list_dir, read_file, search, find_files, and load_skill "
+    "where there are skills), works until it can "
     "answer, and returns only its answer. Use it for broad searches whose details you do not "
     "need to keep. It sees nothing of this conversation, so the prompt must say everything.",
     required=["description", "prompt"],
@@ -3386,7 +3393,8 @@ def leave(signum, frame):
 
 
 def main(argv=None) -> int:
-    """Run what the command line asks for; return the exit code (0 ok, 1 failed, 2 usage)."""
+    """Run what the command line asks for; return the exit code: 0 ok, 1 failed (no answer, or
+    an error result from --tool), 2 usage, 130 interrupted."""
     for stream in (sys.stdout, sys.stderr):   # never die printing a character the terminal lacks
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
