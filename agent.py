@@ -65,7 +65,6 @@ Left out on purpose: images in the conversation, MCP over HTTP, and any sandbox 
 beyond the user's approval (a command the user allows can do what the user can).
 """
 import argparse
-import base64
 import collections
 import ctypes
 import dataclasses
@@ -1176,8 +1175,9 @@ def ripgrep(cfg, full, pattern, glob, only):
         return None
     # subtle: no -g for the glob: rg lets a -g glob override .gitignore. -E none: no BOM
     # sniffing nor UTF-16 decoding, which the Python scan does not do either.
-    command = [cfg.ripgrep, "--json", "--no-config", "--hidden", "--crlf", "-E", "none",
-               "--no-ignore-dot", "--no-messages", "-g", "!.git", "-e", pattern, "--", "."]
+    command = [cfg.ripgrep, "--no-config", "--hidden", "--crlf", "-E", "none", "--no-ignore-dot",
+               "--no-messages", "-g", "!.git", "--null", "--no-heading", "--with-filename",
+               "--line-number", "--color", "never", "-e", pattern, "--", "."]
     process = subprocess.Popen(command, cwd=full, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     first = process.stdout.readline()
@@ -1188,34 +1188,32 @@ def ripgrep(cfg, full, pattern, glob, only):
 
 
 def read_ripgrep(root, full, process, first, only):
-    """The matches in rg's JSON lines, as (path, number, line), a file's once it has ended."""
-    prefix, found = folder_prefix(root, full), []
+    """The matches in rg's lines, b'./path NUL number:line', as (path, number, line): a file's
+    once they have all come, and not at all if rg then warns that the file was binary."""
+    prefix, found, current, torn = folder_prefix(root, full), [], None, b""
     try:
         for raw in itertools.chain([first], process.stdout):
             check_time()
-            if raw.startswith(b'{"type":"match"'):
-                match = json.loads(raw)["data"]
-                path, line = text_or_bytes(match["path"], os.fsdecode), \
-                    text_or_bytes(match["lines"], lambda b: b.decode("utf-8", "replace"))
-                path = prefix + path[2:] if path.startswith("./") else prefix + path
-                if not only or glob_match(only, path):
-                    found.append((path, match["line_number"], line.rstrip("\r\n")))
-            elif raw.startswith(b'{"type":"end"'):   # subtle: a NUL late in a file makes it
-                if json.loads(raw)["data"].get("binary_offset") is None:   # binary after all
-                    yield from found
-                found = []
+            name, nul, rest = raw.partition(b"\0")
+            if not nul:
+                if b": WARNING: stopped searching binary file" in raw:   # a NUL late in it
+                    found = []
+                else:
+                    torn += raw   # subtle: a file name with a newline in it
+                continue
+            name, torn = torn + name, b""
+            if name != current:   # rg prints each file's lines together
+                yield from found
+                found, current = [], name
+            number, _, line = rest.partition(b":")
+            path = prefix + os.fsdecode(name[2:] if name.startswith(b"./") else name)
+            if not only or glob_match(only, path):
+                found.append((path, int(number), line.rstrip(b"\r\n").decode("utf-8", "replace")))
+        yield from found
     finally:
         process.kill()
         process.wait()
         process.stdout.close()
-
-
-def text_or_bytes(field, decode) -> str:
-    """A string from rg's JSON, which sends text, or base64 bytes (then decoded) when the
-    bytes are not UTF-8: a path as os.listdir would decode it, a line as the Python scan."""
-    if "text" in field:
-        return field["text"]
-    return decode(base64.b64decode(field["bytes"]))
 
 
 def search(cfg, pattern, path=".", glob=None):

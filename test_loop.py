@@ -577,7 +577,9 @@ class RipgrepTest(unittest.TestCase):
                  "bin.dat": b"needle\0\n", "deep/er/n.py": b"NEEDLE\nnine\n",
                  "inner/.git/HEAD": b"ref: refs/heads/main\n", "inner/i.py": b"needle\n",
                  "unicode.txt": "é needle\n".encode(), "cross.txt": b"foo\nbar\n",
-                 "bom.txt": b"\xef\xbb\xbfhello\n", "late_nul.txt": b"late\n" * 5000 + b"\0"}
+                 "bom.txt": b"\xef\xbb\xbfhello\n", "late_nul.txt": b"late\n" * 30000 + b"\0",
+                 "new\nline.txt": b"needle\n", b"caf\xe9.txt".decode(errors="surrogateescape"):
+                 b"needle\n"}
         for name, data in files.items():
             os.makedirs(os.path.dirname(os.path.join(repo, name)), exist_ok=True)
             with open(os.path.join(repo, name), "wb") as f:
