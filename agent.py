@@ -113,7 +113,7 @@ DEFAULT_URL = "http://127.0.0.1:8080/v1"
 TIMEOUT = 300          # seconds one request may take
 MAX_TOKENS = 4096      # tokens per reply; small local models ramble until the context is full
 MAX_TURNS = 20         # tool rounds per user message, then one last answer without tools
-REPEAT_LIMIT = 2       # times one exact call runs per turn; the next is refused, one more ends it
+REPEAT_LIMIT = 2       # times one exact call runs in one reply; one more is refused, two end it
 
 RESULT_CAP = 8_000     # characters of one tool result the model sees
 LINE_CAP = 500         # characters of one line that read_file shows
@@ -382,6 +382,8 @@ class Session:
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
     always: set = dataclasses.field(default_factory=set)     # tools the user always allows
     changes: int = 0                       # changes made so far: a repeat after one is new
+    results: dict = dataclasses.field(default_factory=dict)   # (tool, arguments) -> where its
+                                           # last result is in the transcript
     interrupted: bool = False              # Ctrl+C ended the turn: reads left running hush
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
     # the server (sections 14-17)
@@ -2323,20 +2325,23 @@ def summarise(session, text) -> str:
 # A reply may ask for several tools at once. Reads do not depend on each other, so they run
 # together; a change, and anything that asks the user, runs alone and in its place, so that a
 # read after an edit sees the edit. Results go back in the order of the calls, whatever order
-# they finished in, and one failure never stops the others.
+# they finished in, and one failure never stops the others. A result the model has already
+# been given, word for word, is not given again: it is told where it is.
 
 CUT_OFF = ("error: cut_off: your reply reached the token cap ({} tokens) at or before the end of "
            "this call, so it was not run. Make the call again, and write less before it.")
-REPEATED = ("error: repeated_call: {} was already called {} times this turn with exactly these "
-            "arguments and the result will not change. Use the earlier result, try something "
-            "different, or answer.")
+REPEATED = ("error: repeated_call: {} was already called {} times in this reply with exactly "
+            "these arguments and the result will not change. Use the earlier result, try "
+            "something different, or answer.")
+UNCHANGED = ("unchanged: {} gave exactly this result before, to call {}, which is still above. "
+             "Read it there; calling again will not change it. Try something different, or answer.")
 
 
 def run_calls(session, reply, asked):
     """Yield the results of a reply's tool calls in the order of the calls, each as soon as it
     and those before it are known. Reads run side by side; each change runs alone, in its
     place, after the reads before it and before those after. A call repeated too often, or
-    the last of a reply cut off by the token cap, is not run."""
+    the last of a reply cut off by the token cap, is not run. asked counts this reply's calls."""
     tool_calls, reads = reply.message["tool_calls"], []
     for place, (call, arguments) in enumerate(zip(tool_calls, reply.arguments)):
         name = call["function"]["name"]
@@ -2421,6 +2426,20 @@ def run_call(session, name, arguments, place=0) -> str:
     return result
 
 
+def unchanged(session, call, result) -> str:
+    """result, or if the same call gave the same result before, and it is still in the
+    transcript, a note that points to it: a model going round in circles is told so, and its
+    context does not fill with copies. Errors are short and are given again."""
+    key, messages = (call["function"]["name"], call["function"]["arguments"]), session.messages
+    place = session.results.get(key, len(messages))
+    if place < len(messages) and messages[place].get("content") == result and \
+            not result.startswith("error:"):   # subtle: checked, as a compaction moves things
+        session.say("  → the same as before; the model is pointed there", DIM)
+        return UNCHANGED.format(key[0], messages[place]["tool_call_id"])
+    session.results[key] = len(messages)   # where this result is about to go
+    return result
+
+
 def one_line(text, width) -> str:
     """text on one line, cut to width characters, control characters made visible."""
     text = printable(re.sub(r"\s*\n\s*", " ", text))
@@ -2429,7 +2448,7 @@ def one_line(text, width) -> str:
 
 # Why a turn ended without an answer, as it is told to the model and the user.
 STOPPED = {"max_turns": "{} tool rounds, the limit",
-           "repeated_call": "the same call was repeated with the same arguments"}
+           "repeated_call": "the same call was repeated with the same arguments in one reply"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2439,8 +2458,8 @@ STOPPED = {"max_turns": "{} tool rounds, the limit",
 # answer; otherwise run each call, append each result, and ask again. The transcript is only
 # appended to (but for a compaction), so every request begins with the bytes of the one before,
 # and the server reuses its cache. Three things stop it: an answer, MAX_TURNS rounds, or a
-# model repeating itself; the last two end with one more request that forbids tools, so that
-# an answer still comes. Each message is saved as it joins the transcript.
+# reply repeating one call over and over; the last two end with one more request that forbids
+# tools, so that an answer still comes. Each message is saved as it joins the transcript.
 
 def ask(session, tool_choice=None) -> Reply:
     """One round trip: send the transcript and the tools, get back a normalised reply. Before
@@ -2499,7 +2518,6 @@ def run_turn(session, question) -> str:
     """Answer one user message: ask, run the tools the model calls, repeat until it answers."""
     messages, session.interrupted = session.messages, False
     messages.append({"role": "user", "content": question})
-    asked = collections.Counter()   # (changes so far, tool, arguments) -> times this turn
     why = "max_turns"
     try:
         for _ in range(session.cfg.max_turns):
@@ -2517,8 +2535,10 @@ def run_turn(session, question) -> str:
                 return reply.message["content"]
             if reply.message["content"] and "content" not in session.shown:
                 session.say(printable(reply.message["content"]))   # thinking aloud
+            asked = collections.Counter()   # (changes so far, tool, arguments) -> times asked
             for call, result in zip(tool_calls, run_calls(session, reply, asked)):
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+                messages.append({"role": "tool", "tool_call_id": call["id"],
+                                 "content": unchanged(session, call, result)})
                 save(session)            # a result is kept even if the next call never ends
             if max(asked.values()) > REPEAT_LIMIT + 1:
                 why = "repeated_call"

@@ -1495,6 +1495,19 @@ class ContextTest(unittest.TestCase):
             assert_valid(self, body["messages"])
         self.assertLess(len(json.dumps(bodies[-1])), 6000 * agent.CHARS_PER_TOKEN)
 
+    def test_a_result_compacted_away_is_given_in_full_again(self):
+        """The same call after a compaction gets its whole result: the earlier one is gone."""
+        again = calls(tool_call("read_file", path="big.txt", offset=1, limit=100))
+        first = again["message"]["tool_calls"][0]["function"]["arguments"]
+        with CannedServer(self.READS + [again, reply("done")]) as server:
+            session = agent.new_session(config(server.url, "--context", "6000"))
+            run_turn_quietly(session, "read big.txt")
+            summaries = server.summary_requests()
+        self.assertTrue(summaries)
+        self.assertEqual(session.messages[-3]["tool_calls"][0]["function"]["arguments"], first)
+        self.assertEqual(session.messages[-2]["content"],
+                         execute("read_file", **json.loads(first)))
+
     def test_the_prefix_changes_once_per_compaction(self):
         """After a compaction, requests again extend each other byte for byte."""
         numbers = itertools.count(1)
@@ -1606,17 +1619,36 @@ class LoopTest(unittest.TestCase):
         self.assertNotIn("tool_calls", run.session.messages[-1])
         assert_valid(self, run.session.messages)
 
-    def test_repeated_calls_are_refused_then_end_the_turn(self):
-        """The same call a third time gets an error; a fourth ends the turn with an answer."""
-        same = [calls(tool_call("list_dir", path="src")) for _ in range(4)]
-        run = run_agent(same + [reply("giving up")])
+    def test_repeated_calls_in_one_reply_are_refused_then_end_the_turn(self):
+        """In one reply, the same call a third time gets an error; a fourth ends the turn with
+        an answer."""
+        same = [tool_call("list_dir", path="src") for _ in range(4)]
+        run = run_agent([calls(*same, tool_call("list_dir")), reply("giving up")])
         results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
-        self.assertIn("app.py", results[1])
+        self.assertIn("app.py", results[0])
+        self.assertTrue(results[1].startswith("unchanged: list_dir gave exactly this result "
+                                              "before, to call %s," % same[0]["id"]))
         self.assertTrue(results[2].startswith("error: repeated_call:"))
         self.assertTrue(results[3].startswith("error: repeated_call:"))
+        self.assertIn("hello.py", results[4])
         self.assertEqual(run.answer, "giving up")
         self.assertEqual(run.bodies[-1]["tool_choice"], "none")
-        self.assertEqual(len(run.bodies), 5)
+        self.assertEqual(len(run.bodies), 2)
+        assert_valid(self, run.session.messages)
+
+    def test_the_same_call_round_after_round_runs_and_points_to_its_first_result(self):
+        """Asked again in later rounds, a call runs each time; a result the model already has
+        is not sent again, only where it is. MAX_TURNS, not the repeats, ends such a turn."""
+        rounds = [calls(tool_call("list_dir", path="src")) for _ in range(6)]
+        run = run_agent(rounds + [reply("done")])
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertIn("app.py", results[0])
+        pointer = agent.UNCHANGED.format("list_dir", rounds[0]["message"]["tool_calls"][0]["id"])
+        self.assertEqual(results[1:], [pointer] * 5)
+        self.assertEqual(run.answer, "done")
+        self.assertNotIn("tool_choice", run.bodies[-1])
+        self.assertEqual(run.stderr.count("⚙ list_dir"), 6)
+        self.assertEqual(run.stderr.count("the same as before"), 5)
 
     def test_runaway_searches_side_by_side_are_stopped(self):
         """Searches asked for together run in the main thread, where the time limit can stop a
@@ -1644,9 +1676,10 @@ class LoopTest(unittest.TestCase):
         self.addCleanup(os.unlink, os.path.join(WORK, "counter.txt"))
         run = run_agent([same, same, bump, same, same, reply("two")], "q", "--yes")
         results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
-        self.assertEqual(results, ["exit code 0\n1\n", "exit code 0\n1\n",
-                                   "replaced counter.txt: 1 lines, 2 B",
-                                   "exit code 0\n2\n", "exit code 0\n2\n"])
+        self.assertEqual(results[0::2][:2] + results[3:4], ["exit code 0\n1\n",
+                         "replaced counter.txt: 1 lines, 2 B", "exit code 0\n2\n"])
+        self.assertTrue(results[1].startswith("unchanged: run_shell"))
+        self.assertTrue(results[4].startswith("unchanged: run_shell"))
 
     def test_reads_run_together_but_results_keep_the_order_of_the_calls(self):
         """Reads run side by side and may finish in any order; results go back in call order,
