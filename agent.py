@@ -2429,11 +2429,13 @@ def run_call(session, name, arguments, place=0) -> str:
 def unchanged(session, call, result) -> str:
     """result, or if the same call gave the same result before, and it is still in the
     transcript, a note that points to it: a model going round in circles is told so, and its
-    context does not fill with copies. Errors are short and are given again."""
+    context does not fill with copies. Errors are short, and are given again."""
+    if result.startswith("error:"):
+        return result
     key, messages = (call["function"]["name"], call["function"]["arguments"]), session.messages
+    # subtle: a compaction or /clear moves messages, so look that it is still where it was
     place = session.results.get(key, len(messages))
-    if place < len(messages) and messages[place].get("content") == result and \
-            not result.startswith("error:"):   # subtle: checked, as a compaction moves things
+    if place < len(messages) and messages[place].get("content") == result:
         session.say("  → the same as before; the model is pointed there", DIM)
         return UNCHANGED.format(key[0], messages[place]["tool_call_id"])
     session.results[key] = len(messages)   # where this result is about to go

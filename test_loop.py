@@ -1640,15 +1640,17 @@ class LoopTest(unittest.TestCase):
         """Asked again in later rounds, a call runs each time; a result the model already has
         is not sent again, only where it is. MAX_TURNS, not the repeats, ends such a turn."""
         rounds = [calls(tool_call("list_dir", path="src")) for _ in range(6)]
+        rounds[2]["finish_reason"] = "length"   # cut off, so not run: that changes nothing
         run = run_agent(rounds + [reply("done")])
         results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
         self.assertIn("app.py", results[0])
+        self.assertTrue(results[2].startswith("error: cut_off"))
         pointer = agent.UNCHANGED.format("list_dir", rounds[0]["message"]["tool_calls"][0]["id"])
-        self.assertEqual(results[1:], [pointer] * 5)
+        self.assertEqual(results[1:2] + results[3:], [pointer] * 4)
         self.assertEqual(run.answer, "done")
         self.assertNotIn("tool_choice", run.bodies[-1])
-        self.assertEqual(run.stderr.count("⚙ list_dir"), 6)
-        self.assertEqual(run.stderr.count("the same as before"), 5)
+        self.assertEqual(run.stderr.count("⚙ list_dir"), 5)
+        self.assertEqual(run.stderr.count("the same as before"), 4)
 
     def test_runaway_searches_side_by_side_are_stopped(self):
         """Searches asked for together run in the main thread, where the time limit can stop a
