@@ -1107,9 +1107,11 @@ def scan_file(name, regex, look=None):
     """Yield (number, line) for each matching line of a text file; flat memory on huge ones."""
     # subtle: O_NONBLOCK, so that a FIFO put in the file's place cannot make the open wait
     with open(os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb", buffering=0) as f:
-        data = f.read(BLOCK * 8 + 1)
-        if is_binary(data[:SNIFF]):
+        data = f.read(SNIFF)
+        if is_binary(data):                        # told by its first block, the rest unread
             return
+        if len(data) == SNIFF:                     # the rest, or 8 MB of it: read what is there
+            data += f.read(min(os.fstat(f.fileno()).st_size, BLOCK * 8) + 1 - SNIFF)
         if len(data) <= BLOCK * 8:                 # the usual case: the whole file at once
             if is_binary(data):                    # a NUL further in: binary all the same
                 return
@@ -1144,14 +1146,13 @@ def scan(root, full, regex, only):
     """Yield (path, number, line) for every match below full, found by Python."""
     prefix = folder_prefix(root, full)
     look = byte_prefilter(regex.pattern)
-    safe = {}   # folder -> True if no symlink on its way leads anywhere
+    known = {full: True}   # folder -> True if no symlink on its way down from full
     for rel in list_files(full):
         check_time()
         name = full + os.sep + rel
-        folder = os.path.dirname(name)
-        if folder not in safe:    # subtle: git lists files under a directory now a symlink
-            safe[folder] = os.path.realpath(folder) == folder
-        if not safe[folder] or (only and not glob_match(only, prefix + rel)):
+        # subtle: git may list files below a directory that has become a symlink since
+        if not no_links(os.path.dirname(name), known) or \
+                (only and not glob_match(only, prefix + rel)):
             continue
         try:
             if not stat.S_ISREG(os.lstat(name).st_mode):   # links, FIFOs: not followed
@@ -1160,6 +1161,16 @@ def scan(root, full, regex, only):
                 yield prefix + rel, number, line
         except OSError:   # vanished or unreadable since it was listed: skip it
             pass
+
+
+def no_links(folder, known) -> bool:
+    """True if no directory on the way down to folder is a symlink; known holds the answers so
+    far, and True for the folder searched, which is resolved already."""
+    if folder not in known:
+        parent = os.path.dirname(folder)
+        known[folder] = parent != folder and no_links(parent, known) and \
+            not os.path.islink(folder)
+    return known[folder]
 
 
 # ripgrep (rg), where it is installed, scans a tree many times faster than Python can. It is

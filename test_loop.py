@@ -812,17 +812,24 @@ class SearchEdgesTest(unittest.TestCase):
         self.assertTrue(bad_range.startswith(("error: bad_glob:", "no files match")), bad_range)
 
     def test_symlinked_directory_in_a_git_index_is_not_followed(self):
-        """A file git lists under a directory since replaced by a link out is not read."""
-        repo = os.path.join(WORK, "trap")
-        os.makedirs(os.path.join(repo, "etc"))
-        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
-        with open(os.path.join(repo, "etc", "secret.txt"), "w") as f:
-            f.write("the secret\n")
+        """A file git lists under a directory since replaced by a link out is not read, by rg
+        or by Python, however deep the file below the link."""
+        repo, outside = os.path.join(WORK, "trap"), tempfile.mkdtemp()
+        self.addCleanup(subprocess.run, ["rm", "-rf", repo, outside])
+        for name in ("etc/secret.txt", "deep/er/secret.txt"):
+            for top in (repo, outside):
+                os.makedirs(os.path.dirname(os.path.join(top, name)), exist_ok=True)
+                with open(os.path.join(top, name), "w") as f:
+                    f.write("the secret\n")
         subprocess.run(["git", "init", "-q", repo], check=True)
         subprocess.run(["git", "-C", repo, "add", "."], check=True)
-        subprocess.run(["rm", "-r", os.path.join(repo, "etc")], check=True)
-        os.symlink(OUTSIDE, os.path.join(repo, "etc"))
-        self.assertTrue(execute("search", pattern="secret", path="trap").startswith("no matches"))
+        for folder in ("etc", "deep"):
+            subprocess.run(["rm", "-r", os.path.join(repo, folder)], check=True)
+            os.symlink(os.path.join(outside, folder), os.path.join(repo, folder))
+        for ripgrep in (CFG.ripgrep, ""):
+            found = agent.execute(dataclasses.replace(CFG, ripgrep=ripgrep), "search",
+                                  json.dumps({"pattern": "secret", "path": "trap"}))
+            self.assertTrue(found.startswith("no matches"), found)
 
 
 class ExecutorTest(unittest.TestCase):
