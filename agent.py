@@ -1107,12 +1107,14 @@ def scan_file(name, regex, look=None):
     """Yield (number, line) for each matching line of a text file; flat memory on huge ones."""
     # subtle: O_NONBLOCK, so that a FIFO put in the file's place cannot make the open wait
     with open(os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb", buffering=0) as f:
-        data = f.read(SNIFF)
+        data = f.read(SNIFF) or b""                # None: a FIFO, swapped in since
         if is_binary(data):                        # told by its first block, the rest unread
             return
-        if len(data) == SNIFF:                     # the rest, or 8 MB of it: read what is there
-            data += f.read(min(os.fstat(f.fileno()).st_size, BLOCK * 8) + 1 - SNIFF)
-        if len(data) <= BLOCK * 8:                 # the usual case: the whole file at once
+        size = len(data)
+        if size == SNIFF:                          # the rest, up to 8 MB, as big as the file is
+            size = min(os.fstat(f.fileno()).st_size, BLOCK * 8)
+            data += f.read(max(size - SNIFF, 0) + 1)
+        if len(data) <= size:                      # the whole file in hand: the usual case
             if is_binary(data):                    # a NUL further in: binary all the same
                 return
             if b"\r" in data:
@@ -1120,7 +1122,7 @@ def scan_file(name, regex, look=None):
             if not look or look.search(data):
                 yield from matching_lines(data.decode("utf-8", "replace"), regex)
             return
-        number, carry, skip = 1, b"", False       # a huge file: a block at a time
+        number, carry, skip = 1, b"", False       # huge, or growing: a block at a time
         for block in itertools.chain([data], iter(lambda: f.read(BLOCK), b"")):
             data = carry + block
             if skip:                               # the rest of a line too long to search
@@ -1147,9 +1149,10 @@ def scan(root, full, regex, only):
     prefix = folder_prefix(root, full)
     look = byte_prefilter(regex.pattern)
     known = {full: True}   # folder -> True if no symlink on its way down from full
+    base = os.path.join(full, "")
     for rel in list_files(full):
         check_time()
-        name = full + os.sep + rel
+        name = base + rel
         # subtle: git may list files below a directory that has become a symlink since
         if not no_links(os.path.dirname(name), known) or \
                 (only and not glob_match(only, prefix + rel)):
@@ -1200,6 +1203,10 @@ def ripgrep(cfg, full, pattern, glob, only):
     return read_ripgrep(cfg.root, full, process, first, only)
 
 
+BINARY_AFTER_MATCH = re.compile(rb"(.*): WARNING: stopped searching binary file after match "
+                                rb"\(found .* byte around offset \d+\)\n?", re.DOTALL)
+
+
 def read_ripgrep(root, full, process, first, only):
     """The matches in rg's lines, b'./path NUL number:line', as (path, number, line): a file's
     once they have all come, and not at all if rg then warns that the file was binary."""
@@ -1208,11 +1215,10 @@ def read_ripgrep(root, full, process, first, only):
         for raw in itertools.chain([first], process.stdout):
             check_time()
             name, nul, rest = raw.partition(b"\0")
-            if not nul:
-                if b": WARNING: stopped searching binary file" in raw:   # a NUL late in it
-                    found = []
-                else:
-                    torn += raw   # subtle: a file name with a newline in it
+            if not nul:   # a file name with a newline in it, or a NUL late in a file
+                binary = BINARY_AFTER_MATCH.fullmatch(torn + raw)
+                torn = b"" if binary else torn + raw
+                found = [] if binary and binary[1] == current else found
                 continue
             name, torn = torn + name, b""
             if name != current:   # rg prints each file's lines together
@@ -2298,6 +2304,7 @@ def compact(session, why) -> bool:
         session.say(f"  (the summary came out {'no shorter' if summary.strip() else 'empty'}; "
                     f"the conversation is unchanged)", YELLOW)
         return False
+    unpoint(messages[group:], older)
     messages[:] = ([{"role": "system", "content": session.system + SUMMARY_HEADER + summary},
                     messages[request]] + messages[group:])
     session.last_prompt = (0, 0)
@@ -2344,8 +2351,9 @@ CUT_OFF = ("error: cut_off: your reply reached the token cap ({} tokens) at or b
 REPEATED = ("error: repeated_call: {} was already called {} times in this reply with exactly "
             "these arguments and the result will not change. Use the earlier result, try "
             "something different, or answer.")
-UNCHANGED = ("unchanged: {} gave exactly this result before, to call {}, which is still above. "
-             "Read it there; calling again will not change it. Try something different, or answer.")
+UNCHANGED = ("unchanged: {} gave the same result as for call {}, which is still above: read it "
+             "there. Asking again gives nothing new until something changes; try something "
+             "else, or answer.")
 
 
 def run_calls(session, reply, asked):
@@ -2406,6 +2414,8 @@ def run_reads(session, reads) -> list:
             session.emit("tool_call", name=reads[i][1], arguments=reads[i][2], ok=False,
                          seconds=TOOL_SECONDS + 5, depth=len(session.indent) // 4,
                          round=session.usage["rounds"], place=reads[i][0], result=results[i])
+        elif results[i] is None:   # the thread died: showing the call failed, say
+            results[i] = "error: tool_crashed: the tool stopped without a result"
     return results
 
 
@@ -2451,6 +2461,18 @@ def unchanged(session, call, result) -> str:
         return UNCHANGED.format(key[0], messages[place]["tool_call_id"])
     session.results[key] = len(messages)   # where this result is about to go
     return result
+
+
+def unpoint(kept, dropped):
+    """Before dropped is summarised away: each pointer in kept to a result in dropped gets
+    that result back, so that the model can still read it."""
+    gone = {m["tool_call_id"]: m["content"] for m in dropped if m["role"] == "tool"}
+    names = {c["id"]: c["function"]["name"] for m in kept for c in m.get("tool_calls", [])}
+    for m in kept:
+        if m["role"] == "tool" and m["content"].startswith("unchanged:"):
+            for call_id, result in gone.items():
+                if m["content"] == UNCHANGED.format(names.get(m["tool_call_id"]), call_id):
+                    m["content"] = result
 
 
 def one_line(text, width) -> str:

@@ -21,6 +21,7 @@ import json
 import os
 import pty
 import random
+import re
 import select
 import shutil
 import signal
@@ -578,6 +579,8 @@ class RipgrepTest(unittest.TestCase):
                  "inner/.git/HEAD": b"ref: refs/heads/main\n", "inner/i.py": b"needle\n",
                  "unicode.txt": "é needle\n".encode(), "cross.txt": b"foo\nbar\n",
                  "bom.txt": b"\xef\xbb\xbfhello\n", "late_nul.txt": b"late\n" * 30000 + b"\0",
+                 "late\nnul.txt": b"late\n" * 30000 + b"\0",
+                 "w: WARNING: stopped searching binary file\nc.txt": b"needle\n",
                  "new\nline.txt": b"needle\n", b"caf\xe9.txt".decode(errors="surrogateescape"):
                  b"needle\n"}
         for name, data in files.items():
@@ -602,6 +605,22 @@ class RipgrepTest(unittest.TestCase):
         self.assertIn(rel + "/.hidden.py:1: xneedle", everything)
         self.assertNotIn("x.log", agent.execute(CFG, "search", json.dumps(
             {"pattern": "needle", "path": rel, "glob": "*.log"})))
+
+
+    def test_ripgrep_lines_whatever_the_names(self):
+        """rg's lines are read right when a name holds a newline, or words like rg's warning,
+        and a warning drops the matches of its file only, whichever file comes next."""
+        warning = b': WARNING: stopped searching binary file after match (found "\\0" byte ' \
+                  b'around offset 70000)\n'
+        lines = [b"./x.txt\x001:x first\n", b"./a\n", b"z\x001:x late\n", b"./a\n", b"z" + warning,
+                 b"./b: WARNING: stopped searching binary file\n", b"c\x002:x second\n",
+                 b"./d.txt\x003:x third\n", b"./d.txt" + warning, b"./e.txt\x004:x fourth\n"]
+        process = unittest.mock.Mock(stdout=io.BytesIO(b"".join(lines[1:])))
+        found = list(agent.read_ripgrep(WORK, WORK, process, lines[0], None))
+        self.assertEqual(found, [("x.txt", 1, "x first"),
+                                 ("b: WARNING: stopped searching binary file\nc", 2, "x second"),
+                                 ("e.txt", 4, "x fourth")])
+        process.kill.assert_called_once_with()
 
 
 class ChangingTest(unittest.TestCase):
@@ -810,6 +829,24 @@ class SearchEdgesTest(unittest.TestCase):
         self.assertTrue(execute("find_files", pattern="*a*a*a*a*a*a*a*b").startswith("no files"))
         bad_range = execute("find_files", pattern="[z-a]*")   # Python 3.9 refuses it, 3.11 not
         self.assertTrue(bad_range.startswith(("error: bad_glob:", "no files match")), bad_range)
+
+    def test_a_file_that_grows_while_it_is_read_is_read_to_its_end(self):
+        """Lines appended between the size check and the read are read whole, not cut."""
+        name = os.path.join(WORK, "growing.log")
+        self.addCleanup(os.unlink, name)
+        with open(name, "wb") as f:
+            f.write(b"x first\n" + b"a" * 9000 + b"\n")
+        real_fstat = os.fstat
+
+        def fstat_then_append(fd):
+            """The size as it is, then more written at once, as a logger would."""
+            size = real_fstat(fd)
+            with open(name, "ab") as f:
+                f.write(b"x appended line\n")
+            return size
+        with unittest.mock.patch.object(agent.os, "fstat", fstat_then_append):
+            found = list(agent.scan_file(name, re.compile("x")))
+        self.assertEqual(found, [(1, "x first"), (3, "x appended line")])
 
     def test_symlinked_directory_in_a_git_index_is_not_followed(self):
         """A file git lists under a directory since replaced by a link out is not read, by rg
@@ -1515,6 +1552,21 @@ class ContextTest(unittest.TestCase):
         self.assertEqual(session.messages[-2]["content"],
                          execute("read_file", **json.loads(first)))
 
+    def test_a_pointer_kept_by_a_compaction_gets_its_result_back(self):
+        """A compaction that keeps a pointer but drops what it points to puts the result in
+        the pointer's place."""
+        read = dict(path="big.txt", limit=50)
+        with CannedServer([calls(tool_call("read_file", **read)),
+                           calls(tool_call("read_file", **read)), reply("done")]) as server:
+            session = agent.new_session(config(server.url))
+            run_turn_quietly(session, "read big.txt")
+            self.assertTrue(session.messages[-2]["content"].startswith("unchanged: read_file"))
+            with contextlib.redirect_stderr(io.StringIO()):
+                self.assertTrue(agent.compact(session, "test"))
+        self.assertEqual([m["role"] for m in session.messages],
+                         ["system", "user", "assistant", "tool", "assistant"])
+        self.assertEqual(session.messages[-2]["content"], execute("read_file", **read))
+
     def test_the_prefix_changes_once_per_compaction(self):
         """After a compaction, requests again extend each other byte for byte."""
         numbers = itertools.count(1)
@@ -1633,8 +1685,7 @@ class LoopTest(unittest.TestCase):
         run = run_agent([calls(*same, tool_call("list_dir")), reply("giving up")])
         results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
         self.assertIn("app.py", results[0])
-        self.assertTrue(results[1].startswith("unchanged: list_dir gave exactly this result "
-                                              "before, to call %s," % same[0]["id"]))
+        self.assertEqual(results[1], agent.UNCHANGED.format("list_dir", same[0]["id"]))
         self.assertTrue(results[2].startswith("error: repeated_call:"))
         self.assertTrue(results[3].startswith("error: repeated_call:"))
         self.assertIn("hello.py", results[4])
