@@ -373,6 +373,8 @@ class Session:
     messages: list = dataclasses.field(default_factory=list)  # the transcript
     system: str = ""                       # the system prompt, before any summary is added
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
+    results: dict = dataclasses.field(default_factory=dict)  # (tool, arguments) -> the place
+                                           # in messages of the result last given in full
     path: str = ""                         # the file the transcript is saved in, as it grows
     saved: int = 0                         # messages written to it so far
     exit_reason: str = ""                  # how the last turn ended: answer, max_turns, ...
@@ -382,8 +384,6 @@ class Session:
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
     always: set = dataclasses.field(default_factory=set)     # tools the user always allows
     changes: int = 0                       # changes made so far: a repeat after one is new
-    results: dict = dataclasses.field(default_factory=dict)   # (tool, arguments) -> where its
-                                           # last result is in the transcript
     interrupted: bool = False              # Ctrl+C ended the turn: reads left running hush
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
     # the server (sections 14-17)
@@ -2274,6 +2274,42 @@ def context_used(session) -> int:
     return len(json.dumps(everything, ensure_ascii=False)) // CHARS_PER_TOKEN
 
 
+# A model going round in circles asks for the same thing again and again. A result it has
+# been given already, word for word, is not given again: it is told where to find it, so the
+# context does not fill with copies, and the model learns that it is repeating itself.
+
+UNCHANGED = ("unchanged: {} gave the same result as for call {}, which is still above: read it "
+             "there. Asking again gives nothing new until something changes; try something "
+             "else, or answer.")
+
+
+def unchanged(session, call, result) -> str:
+    """result; or, if the same call gave it before and that is still in the transcript, a note
+    that points there. Errors are short, and are given again."""
+    if result.startswith("error:"):
+        return result
+    key, messages = (call["function"]["name"], call["function"]["arguments"]), session.messages
+    # subtle: a compaction or /clear moves messages, so look that it is still where it was
+    place = session.results.get(key, len(messages))
+    if place < len(messages) and messages[place].get("content") == result:
+        session.say("  → the same as before; the model is pointed there", DIM)
+        return UNCHANGED.format(key[0], messages[place]["tool_call_id"])
+    session.results[key] = len(messages)   # where this result is about to go
+    return result
+
+
+def unpoint(kept, dropped):
+    """Before dropped is summarised away: each pointer in kept to a result in dropped gets
+    that result back, so that the model can still read it."""
+    gone = {m["tool_call_id"]: m["content"] for m in dropped if m["role"] == "tool"}
+    names = {c["id"]: c["function"]["name"] for m in kept for c in m.get("tool_calls", [])}
+    for m in kept:
+        if m["role"] == "tool" and m["content"].startswith("unchanged:"):
+            for call_id, result in gone.items():
+                if m["content"] == UNCHANGED.format(names.get(m["tool_call_id"]), call_id):
+                    m["content"] = result
+
+
 def make_room(session):
     """Before a request: compact the transcript if it would come close to the context limit."""
     limit = context_limit(session)
@@ -2343,17 +2379,13 @@ def summarise(session, text) -> str:
 # A reply may ask for several tools at once. Reads do not depend on each other, so they run
 # together; a change, and anything that asks the user, runs alone and in its place, so that a
 # read after an edit sees the edit. Results go back in the order of the calls, whatever order
-# they finished in, and one failure never stops the others. A result the model has already
-# been given, word for word, is not given again: it is told where it is.
+# they finished in, and one failure never stops the others.
 
 CUT_OFF = ("error: cut_off: your reply reached the token cap ({} tokens) at or before the end of "
            "this call, so it was not run. Make the call again, and write less before it.")
 REPEATED = ("error: repeated_call: {} was already called {} times in this reply with exactly "
             "these arguments and the result will not change. Use the earlier result, try "
             "something different, or answer.")
-UNCHANGED = ("unchanged: {} gave the same result as for call {}, which is still above: read it "
-             "there. Asking again gives nothing new until something changes; try something "
-             "else, or answer.")
 
 
 def run_calls(session, reply, asked):
@@ -2445,34 +2477,6 @@ def run_call(session, name, arguments, place=0) -> str:
         summary, style = f"{result.count(chr(10)) + 1} lines", DIM
     session.say(("  → " if changing else f"⚙ {name}({shown_args}) → ") + summary, style)
     return result
-
-
-def unchanged(session, call, result) -> str:
-    """result, or if the same call gave the same result before, and it is still in the
-    transcript, a note that points to it: a model going round in circles is told so, and its
-    context does not fill with copies. Errors are short, and are given again."""
-    if result.startswith("error:"):
-        return result
-    key, messages = (call["function"]["name"], call["function"]["arguments"]), session.messages
-    # subtle: a compaction or /clear moves messages, so look that it is still where it was
-    place = session.results.get(key, len(messages))
-    if place < len(messages) and messages[place].get("content") == result:
-        session.say("  → the same as before; the model is pointed there", DIM)
-        return UNCHANGED.format(key[0], messages[place]["tool_call_id"])
-    session.results[key] = len(messages)   # where this result is about to go
-    return result
-
-
-def unpoint(kept, dropped):
-    """Before dropped is summarised away: each pointer in kept to a result in dropped gets
-    that result back, so that the model can still read it."""
-    gone = {m["tool_call_id"]: m["content"] for m in dropped if m["role"] == "tool"}
-    names = {c["id"]: c["function"]["name"] for m in kept for c in m.get("tool_calls", [])}
-    for m in kept:
-        if m["role"] == "tool" and m["content"].startswith("unchanged:"):
-            for call_id, result in gone.items():
-                if m["content"] == UNCHANGED.format(names.get(m["tool_call_id"]), call_id):
-                    m["content"] = result
 
 
 def one_line(text, width) -> str:
