@@ -1043,6 +1043,7 @@ CROSSES_LINES = re.compile(r"\\[sWDnANZ]|\(\?<?!|\(\?[a-zA-Z]*s|\n|\\x0[aA]|\\0?
 BRACKETS = re.compile(r"\[\^?\]?(?:\\.|[^\]\\])*\]")   # a [...] class, escapes and all
 
 
+@functools.lru_cache(maxsize=64)   # asked once for each file a search reads
 def crosses_lines(pattern) -> bool:
     """True if pattern can match a newline or see past a line's end, so that only a search
     line by line is exact for it. A [...] class is tried on a newline to see."""

@@ -848,6 +848,18 @@ class SearchEdgesTest(unittest.TestCase):
             found = list(agent.scan_file(name, re.compile("x")))
         self.assertEqual(found, [(1, "x first"), (3, "x appended line")])
 
+    def test_a_fifo_swapped_in_with_a_writer_reads_as_empty(self):
+        """A FIFO in a file's place, held open by a writer that writes nothing, neither blocks
+        the scan nor breaks it."""
+        fifo = os.path.join(tempfile.mkdtemp(dir=WORK), "swapped")
+        self.addCleanup(shutil.rmtree, os.path.dirname(fifo))
+        os.mkfifo(fifo)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # so that the writer can open
+        writer = os.open(fifo, os.O_WRONLY)
+        self.addCleanup(os.close, reader)
+        self.addCleanup(os.close, writer)
+        self.assertEqual(list(agent.scan_file(fifo, re.compile("x"))), [])
+
     def test_symlinked_directory_in_a_git_index_is_not_followed(self):
         """A file git lists under a directory since replaced by a link out is not read, by rg
         or by Python, however deep the file below the link."""
@@ -1709,6 +1721,19 @@ class LoopTest(unittest.TestCase):
         self.assertNotIn("tool_choice", run.bodies[-1])
         self.assertEqual(run.stderr.count("⚙ list_dir"), 5)
         self.assertEqual(run.stderr.count("the same as before"), 4)
+
+    def test_a_read_whose_thread_dies_is_answered_all_the_same(self):
+        """A read that dies in its thread (its stderr closed under it, say) is answered with
+        an error, so the transcript stays valid."""
+        def dies(session, name, arguments, place=0):
+            raise BrokenPipeError("stderr is gone")
+        with unittest.mock.patch.object(agent, "run_call", dies), \
+                unittest.mock.patch.object(threading, "excepthook", lambda args: None):
+            run = run_agent([calls(tool_call("list_dir"), tool_call("list_dir", path="src")),
+                             reply("done")])
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertEqual(results, ["error: tool_crashed: the tool stopped without a result"] * 2)
+        assert_valid(self, run.session.messages)
 
     def test_runaway_searches_side_by_side_are_stopped(self):
         """Searches asked for together run in the main thread, where the time limit can stop a
