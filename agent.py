@@ -970,25 +970,52 @@ def glob_match(patterns, path) -> bool:
 
 
 def git_files(directory) -> Optional[list]:
-    """The files git sees below directory (tracked, or new and not ignored); None if no repo."""
-    # core.fsmonitor is switched off because a repository's own config could make it run a
-    # command, and safe.directory lets a checkout owned by someone else be listed all the same.
+    """The files git sees below directory (tracked, or new and not ignored); None if no repo.
+    Only plain names below directory come back: an index can be made to list any path."""
+    # A repository's own files could make git run a command (core.fsmonitor in its config),
+    # or be a bare repository that a plain clone delivers as ordinary files, which git would
+    # find by itself (safe.bareRepository): git is allowed neither, nor to look for one above
+    # the workspace's own (GIT_CEILING_DIRECTORIES). safe.directory lets a checkout owned by
+    # someone else be listed all the same.
     try:
         out = subprocess.run(
-            ["git", "-c", "core.fsmonitor=false", "-c", "safe.directory=*", "ls-files", "-z",
-             "--cached", "--others", "--exclude-standard"],
-            cwd=directory, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+            ["git", "-c", "core.fsmonitor=false", "-c", "safe.directory=*", "-c",
+             "safe.bareRepository=explicit", "ls-files", "-z", "--cached", "--others",
+             "--exclude-standard"], cwd=directory, env=git_environment(directory),
+            capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):   # no git on this machine
         return None
     if out.returncode != 0:
         return None
     found = []
     for name in os.fsdecode(out.stdout).split("\0"):
+        if not plain_name(name):   # '../../etc/passwd', '/etc/passwd', '.git/config'
+            continue
         if name.endswith("/"):   # a repository inside this one: its own git knows its files
             found.extend(name + inner for inner in git_files(os.path.join(directory, name)) or [])
-        elif name:
+        else:
             found.append(name)
     return found
+
+
+def plain_name(name) -> bool:
+    """True if a name that git printed stays below its folder: no '..', no '.git', not absolute."""
+    parts = name[:-1].split("/") if name.endswith("/") else name.split("/")
+    return not os.path.splitdrive(name)[0] and all(
+        part not in ("", ".", "..", ".git") and os.sep not in part and
+        (os.altsep or os.sep) not in part for part in parts)
+
+
+def git_environment(directory) -> dict:
+    """The environment git lists files in: the user's GIT_ settings left out, and a ceiling
+    above which git may not look for a repository: the top of the one that directory is in."""
+    top = directory
+    while not os.path.lexists(os.path.join(top, ".git")) and os.path.dirname(top) != top:
+        top = os.path.dirname(top)
+    if not os.path.lexists(os.path.join(top, ".git")):   # in no repository: no further up
+        top = directory
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return dict(env, GIT_CEILING_DIRECTORIES=os.path.dirname(top))
 
 
 def list_files(directory) -> list:
@@ -1153,9 +1180,11 @@ def scan(root, full, regex, only):
     base = os.path.join(full, "")
     for rel in list_files(full):
         check_time()
-        name = base + rel
-        # subtle: git may list files below a directory that has become a symlink since
-        if not no_links(os.path.dirname(name), known) or \
+        name = os.path.normpath(base + rel)
+        # The sandbox rule, for names that git or a walk found: below the folder searched,
+        # and (subtle: git may list files below a directory that has become a symlink since)
+        # through no symlink on the way down.
+        if not inside(full, name) or not no_links(os.path.dirname(name), known) or \
                 (only and not glob_match(only, prefix + rel)):
             continue
         try:

@@ -15,6 +15,7 @@ talking to the model, the loop, the terminal, and a seeded fuzz test over all of
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import io
 import itertools
 import json
@@ -26,6 +27,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -394,6 +396,70 @@ class SandboxTest(unittest.TestCase):
     def test_absolute_path_inside_the_root_is_fine(self):
         """An absolute path that stays inside the root is as good as a relative one."""
         self.assertIn("def greet", execute("read_file", path=os.path.join(WORK, "hello.py")))
+
+
+def git_index(*names):
+    """A git index (version 2) that lists names, whatever they are: git itself refuses to
+    write '../x', but a repository's files can be made by hand."""
+    entries = b""
+    for name in sorted(n.encode() for n in names):
+        entry = struct.pack(">10I", 0, 0, 0, 0, 0, 0, 0o100644, 0, 0, 0) + bytes(20) + \
+            struct.pack(">H", len(name)) + name
+        entries += entry + b"\0" * (8 - len(entry) % 8)
+    data = b"DIRC" + struct.pack(">II", 2, len(names)) + entries
+    return data + hashlib.sha1(data).digest()
+
+
+class GitTrustTest(unittest.TestCase):
+    """A repository's git metadata is the repository's to write: nothing it says may make a
+    tool read outside the workspace."""
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="hostile-")
+        self.addCleanup(shutil.rmtree, self.root)
+        self.cfg = dataclasses.replace(CFG, root=self.root, ripgrep="")   # the Python scan
+        self.escape = os.path.relpath(os.path.join(OUTSIDE, "secret.txt"), self.root)
+
+    def hostile(self, folder, bare):
+        """folder made a repository whose index lists files outside the workspace: a bare one
+        committed as ordinary files (what a clone can deliver), or a .git of its own."""
+        git = os.path.join(self.root, folder, "" if bare else ".git")
+        subprocess.run(["git", "init", "-q", "--bare", git], check=True)
+        with open(os.path.join(git, "config"), "a") as f:
+            f.write("[core]\n\tbare = false\n\tworktree = %s\n" % ("." if bare else ".."))
+        up = os.path.relpath(self.root, os.path.join(self.root, folder))
+        with open(os.path.join(git, "index"), "wb") as f:
+            f.write(git_index(os.path.join(up, self.escape), "/etc/hostname", ".git/config",
+                              "ok.txt"))
+        with open(os.path.join(self.root, folder, "ok.txt"), "w") as f:
+            f.write("the secret is not here\n")
+
+    def test_a_crafted_index_reads_nothing_outside(self):
+        """An index listing '../../outside/secret.txt' (in a bare repository made of plain
+        files, or a nested .git) is not followed by search or find_files, from any folder."""
+        self.hostile("sub", bare=True)
+        self.hostile("nested", bare=False)
+        for folder in ("sub", "nested", "."):
+            for pattern in (r"secret(?= )", "secret"):   # Python only, or rg if it has it
+                for ripgrep in ("", CFG.ripgrep):
+                    found = agent.execute(dataclasses.replace(self.cfg, ripgrep=ripgrep),
+                                          "search", json.dumps({"pattern": pattern,
+                                                                "path": folder}))
+                    self.assertNotIn("the secret\n", found + "\n")
+                    self.assertNotIn("TODO", found)
+                    self.assertNotIn("..", found)
+        listed = agent.execute(self.cfg, "find_files", json.dumps({"pattern": "*"}))
+        self.assertNotIn("secret.txt", listed)
+        self.assertNotIn("..", listed)
+        self.assertIn("nested/ok.txt", listed)
+
+    def test_git_finds_no_bare_repository_in_plain_files(self):
+        """A folder that looks like a bare repository is just a folder to git_files."""
+        self.hostile("sub", bare=True)
+        self.assertNotIn(self.escape, agent.git_files(os.path.join(self.root, "sub")) or [])
+        self.assertFalse(agent.plain_name("../x") or agent.plain_name("/etc/passwd") or
+                         agent.plain_name("a/../../x") or agent.plain_name(".git/config"))
+        self.assertTrue(agent.plain_name("a/b.txt") and agent.plain_name("nested/"))
 
 
 class ToolsTest(unittest.TestCase):
