@@ -608,8 +608,9 @@ def resolve(root, path) -> str:
         raise ToolError("bad_path", f"{path!r} is not a usable path; give one relative to the "
                         f"workspace root, such as '.' or 'src/main.py'")
     if not inside(root, full):
-        raise ToolError("outside_root", f"{path!r} resolves to {full}, outside the workspace "
-                        f"{root}; only paths inside it can be used. Use a path relative to it.")
+        # subtle: where it leads is not said: a link's target is nobody's business outside
+        raise ToolError("outside_root", f"{path!r} leads outside the workspace {root}; only "
+                        f"paths inside it can be used. Use a path relative to it.")
     return full
 
 

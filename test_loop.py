@@ -389,6 +389,14 @@ class SandboxTest(unittest.TestCase):
             self.assertTrue(result.startswith("error: outside_root:"), result)
             self.assertNotIn("the secret", result)
 
+    def test_where_an_outside_path_leads_is_not_told(self):
+        """An outside_root error does not say where a link or /proc/self/exe resolves to."""
+        for path in ("link_out.txt", "dir_out/secret.txt", "/proc/self/exe", "../outside"):
+            result = execute("read_file", path=path)
+            self.assertTrue(result.startswith("error: outside_root:"), result)
+            self.assertNotIn(OUTSIDE, result)
+            self.assertNotIn(os.path.realpath(sys.executable), result)
+
     def test_search_does_not_follow_links_out(self):
         """A search of the whole root does not read through a symlink that points out."""
         self.assertNotIn("secret", execute("search", pattern="TODO"))
