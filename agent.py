@@ -83,6 +83,7 @@ import platform
 import random
 import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -92,6 +93,7 @@ import sys
 import tempfile
 import threading
 import time
+import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -102,6 +104,10 @@ try:
     import readline  # noqa: F401  (imported for its side effect: line editing in input())
 except ImportError:  # Windows, or a Python built without it
     readline = None
+try:
+    import termios   # to throw away what was typed before a question
+except ImportError:  # Windows
+    termios = None
 
 VERSION = "0.1.0"
 
@@ -180,7 +186,7 @@ class Config:
     verbose: bool = False   # a line of token counts and seconds per round on stderr (-v)
     state: str = ""         # where sessions, history and logs are kept (per user)
     mcp: dict = dataclasses.field(default_factory=dict)  # MCP server name -> {command, args...}
-    mcp_problem: str = ""   # what is wrong with the workspace's .mcp.json, to say at the start
+    mcp_problems: list = dataclasses.field(default_factory=list)  # MCP servers left out, why
     resume: Optional[str] = None   # a saved session to go on with ("" = this root's latest)
     output: str = "text"    # one-shot stdout: "text", "json" (one object), "jsonl" (events)
     trace: str = ""         # a file to add a JSON line to for every model and tool call
@@ -264,7 +270,7 @@ def load_config(argv=None, environ=None) -> Config:
         raise UsageError(f"AGENT_ROOT must be a directory, got {root!r}")
     state = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     api_key = env.get("LLM_API_KEY") or env.get("OPENAI_API_KEY") or ""
-    mcp, mcp_problem = mcp_servers(root, args.mcp, env)
+    mcp, mcp_problems = mcp_servers(root, args.mcp, env)
     return Config(
         url=url,
         model=pick(args.model, "LLM_MODEL", "OPENAI_MODEL").strip(),
@@ -283,7 +289,7 @@ def load_config(argv=None, environ=None) -> Config:
         history=os.path.join(state, "agent-loop", "history"),
         state=os.path.join(state, "agent-loop"),
         mcp=mcp,
-        mcp_problem=mcp_problem,
+        mcp_problems=mcp_problems,
         resume=args.resume if args.resume is not None else "" if args.go_on else None,
         output="json" if args.json else "jsonl" if args.jsonl else "text",
         trace=args.trace or "",
@@ -295,15 +301,15 @@ def load_config(argv=None, environ=None) -> Config:
         stream=not args.no_stream and env_flag(env.get("LLM_STREAM", "1")),
         verbose=args.verbose,
         shell_env={k: v for k, v in env.items()   # commands never see the API key
-                   if k not in ("LLM_API_KEY", "OPENAI_API_KEY") and v != (api_key or None)},
+                   if k not in SECRETS and v != (api_key or None)},
     )
 
 
 def mcp_servers(root, files, env) -> tuple:
     """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
     --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment; and what is
-    wrong with the workspace's file, if anything (a broken --mcp FILE is a usage error)."""
-    servers, problem = {}, ""
+    wrong, one line each. Each server is judged alone: a bad one is left out, not the file."""
+    servers, problems = {}, []
     for path, ask in [(os.path.join(root, ".mcp.json"), True)] + [(f, False) for f in files]:
         if ask and not os.path.isfile(path):
             continue
@@ -313,21 +319,33 @@ def mcp_servers(root, files, env) -> tuple:
             found = found.get("mcpServers") if isinstance(found, dict) else None
             if not isinstance(found, dict):
                 raise ValueError('it has no "mcpServers" object')
-            for name, spec in found.items():
-                spec = expand(spec, env)
-                if not isinstance(spec, dict) or not isinstance(spec.get("command"), str) or \
-                        not isinstance(spec.get("args", []), list) or \
-                        not isinstance(spec.get("env", {}), dict):
-                    raise ValueError(f'server "{name}" needs a "command" string, and "args" '
-                                     f'a list and "env" an object if given')
-                servers[name] = dict(spec, ask=ask, args=[str(a) for a in spec.get("args", [])],
-                                     env={k: str(v) for k, v in spec.get("env", {}).items()
-                                          if v is not None})
         except (OSError, ValueError, RecursionError) as e:
             if not ask:
                 raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
-            problem = f"{path} not used: {e}"
-    return servers, problem
+            problems.append(f"{path} not used: {e}")
+            continue
+        # subtle: a file in the workspace is the repository's, not the user's: it does not get
+        # to copy the API key into the environment of a program it names
+        known = env if not ask else {k: v for k, v in env.items() if k not in SECRETS}
+        for name, spec in found.items():
+            spec = expand(spec, known)
+            if not MCP_NAME.fullmatch(name):   # it is shown in questions: plain letters only
+                problems.append(f"{path}: server {name[:80]!r} not used: a name may hold only "
+                                f"letters, digits, '_', '.' and '-'")
+            elif not isinstance(spec, dict) or not isinstance(spec.get("command"), str) or \
+                    not isinstance(spec.get("args", []), list) or \
+                    not isinstance(spec.get("env", {}), dict):
+                problems.append(f'{path}: server {name!r} not used: it needs a "command" '
+                                f'string, and "args" a list and "env" an object if given')
+            else:
+                servers[name] = dict(spec, ask=ask, args=[str(a) for a in spec.get("args", [])],
+                                     env={k: str(v) for k, v in spec.get("env", {}).items()
+                                          if v is not None})
+    return servers, problems
+
+
+MCP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+SECRETS = ("LLM_API_KEY", "OPENAI_API_KEY")   # never given to a program the agent starts
 
 
 def expand(value, env):
@@ -400,8 +418,10 @@ class Session:
     indent: str = ""                       # before every line printed: a sub-agent's is deeper
     sinks: list = dataclasses.field(default_factory=list)     # event(dict) -> for --json, traces
 
-    def say(self, text, style="", end="\n"):
-        """Print for the human on stderr; stdout carries only the answer."""
+    def say(self, text, style="", end="\n", raw=False):
+        """Print for the human on stderr; stdout carries only the answer. Whatever text holds
+        is made printable first (raw: the program's own escapes, which it leaves alone)."""
+        text = text if raw else printable(text)   # the one place no line can forget
         if self.indent:
             text = text.replace("\n", "\n" + self.indent)
             text = text if text.startswith("\r") else self.indent + text
@@ -604,6 +624,11 @@ def resolve(root, path) -> str:
         full = os.path.realpath(os.path.join(root, path)) if path.encode().strip() else ""
     except (AttributeError, ValueError, UnicodeError):   # not a string, a NUL, a lone surrogate
         full = ""
+    # subtle: a newline in a path could draw a fake diff header above the real one, and
+    # realpath('X/../Makefile') is Makefile whatever X holds: such paths are refused
+    if full and (UNSEEN.search(path) or CONTROL.search(path)):
+        raise ToolError("bad_path", f"{path!r} holds a control character or a line break; "
+                        f"give the path as plain text")
     if not full:
         raise ToolError("bad_path", f"{path!r} is not a usable path; give one relative to the "
                         f"workspace root, such as '.' or 'src/main.py'")
@@ -612,6 +637,9 @@ def resolve(root, path) -> str:
         raise ToolError("outside_root", f"{path!r} leads outside the workspace {root}; only "
                         f"paths inside it can be used. Use a path relative to it.")
     return full
+
+
+UNSEEN = re.compile(r"[\x00-\x1f\x7f-\x9f]")   # control characters, tab and newline too
 
 
 def inside(root, full) -> bool:
@@ -1318,6 +1346,7 @@ class Plan:
     preview: str                     # a unified diff, or "$ command"
     carry_out: Callable[[], str]     # makes the change and returns the result for the model
     ask: bool = True                 # False: needs no yes, only to run outside the time limit
+    subject: str = ""                # what it changes, named in the question: "src/app.py"
 
 
 def current_text(path, full) -> Optional[str]:
@@ -1349,10 +1378,12 @@ def encoded(text) -> bytes:
 
 
 def plan_write(root, path, full, before, after, result) -> Plan:
-    """A Plan to replace the text before (None: no file) with after, shown as a diff."""
+    """A Plan to replace the text before (None: no file) with after, shown as a diff whose
+    headers name the file that will be written, as the sandbox resolved it."""
+    name = relative(root, full)
     diff = "".join(difflib.unified_diff(
         diff_lines(before or ""), diff_lines(after), "/dev/null" if before is None else
-        f"a/{path}", f"b/{path}")).rstrip("\n")
+        f"a/{name}", f"b/{name}")).rstrip("\n")
 
     def carry_out():
         """Write after, unless the path or the file changed while the user looked at the diff."""
@@ -1361,7 +1392,7 @@ def plan_write(root, path, full, before, after, result) -> Plan:
                             f"for approval, so it was not made; look at it again")
         write_text(full, after)
         return result
-    return Plan(diff or f"(no change to {path})", carry_out)
+    return Plan(diff or f"(no change to {name})", carry_out, subject=name)
 
 
 def diff_lines(text) -> list:
@@ -1673,7 +1704,7 @@ def execute(cfg, name, arguments, tools=TOOLS, permit=None, handlers=None) -> st
     """Run one tool call and return its result as text; every failure is an 'error:' result.
 
     A tool that changes something returns a Plan, carried out only if permit(name, args,
-    preview) answers (True, ...); (False, why) makes the result a denial that says why. No
+    plan) answers (True, ...); (False, why) makes the result a denial that says why. No
     permit means the user made the call, as with --tool. handlers: the session's own tools
     (MCP, task), name -> function(arguments) returning text or a Plan.
     """
@@ -1691,7 +1722,7 @@ def execute(cfg, name, arguments, tools=TOOLS, permit=None, handlers=None) -> st
             with TimeLimit():
                 result = TOOL_FUNCTIONS[name](cfg, **args)
         if isinstance(result, Plan):   # a change: it happens only once the user allows it
-            allowed, reason = permit(name, args, result.preview) if permit and result.ask \
+            allowed, reason = permit(name, args, result) if permit and result.ask \
                 else (True, "")
             result = result.carry_out() if allowed else f"error: denied: {reason}"
     except ToolError as e:
@@ -1733,10 +1764,10 @@ REFUSED = "the user did not allow this {} call.{} Do not repeat it; adjust your 
 ASK = "Allow {}? [y]es  [n]o, or type a reason  [a]lways for {}  [?] arguments › "
 
 
-def ask_permission(session, name, args, preview):
+def ask_permission(session, name, args, plan):
     """Show a proposed change and ask whether it may go ahead: (allowed, what the model is told
-    if not)."""
-    show_preview(session, preview)
+    if not). Only y, yes, a or always allow it; any other words refuse it, and are the reason."""
+    show_preview(session, plan.preview)
     if session.cfg.yes or name in session.always:
         return True, ""
     terminal = open_terminal()
@@ -1744,21 +1775,23 @@ def ask_permission(session, name, args, preview):
         session.say(f"  {name} refused: no terminal to ask on (--yes allows changes)", YELLOW)
         return False, NO_TERMINAL.format(name)
     with terminal:
+        discard_typed_ahead(terminal)   # words typed for the model must not answer this
         while True:
-            session.say(ASK.format(name, name), BOLD, end="")
+            what = f"{name} on {plan.subject}" if plan.subject else name
+            session.say(ASK.format(what, name), BOLD, end="")
             answer = terminal.readline()
             if not answer:                       # end of input: nobody is there to say yes
                 session.say("")
                 return False, REFUSED.format(name, "")
             answer = answer.strip()
-            first = re.sub(r"\W+$", "", answer.split()[0].lower()) if answer.split() else ""
-            if first in ("y", "yes"):
+            if answer.lower() in ("y", "yes"):
                 return True, ""
-            if first in ("a", "always"):
+            if answer.lower() in ("a", "always"):
                 session.always.add(name)
                 return True, ""
             if answer == "?":
-                session.say(printable(json.dumps(args, indent=2, ensure_ascii=False)), DIM)
+                for row in json.dumps(args, indent=2, ensure_ascii=False).split("\n"):
+                    show_whole(session, row, DIM)
             elif answer:                         # n, no, or any other words: a refusal
                 reason = re.sub(r"^(n|no)\b[\s,:.-]*", "", answer, flags=re.I)
                 why = f" Their reason: {reason.rstrip('.')}." if reason else ""
@@ -1766,12 +1799,25 @@ def ask_permission(session, name, args, preview):
 
 
 def printable(text) -> str:
-    """text with control characters made visible (\\r, \\x1b), tabs and newlines kept: what the
-    model writes must not move the cursor or recolour the screen, least of all in a preview."""
+    """text with control characters made visible (\\r, \\x1b, \\u202e), tabs and newlines kept:
+    what the model, a file or a server writes must not move the cursor, recolour the screen,
+    reorder the text it stands in or hide in it, least of all in a preview."""
     return CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
-CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Control characters; bidirectional overrides and isolates, which reorder what follows them on
+# the screen; zero-width characters, which hide inside a word; line and paragraph separators.
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                     "\u2060-\u2069\ufeff\ufff9-\ufffb]")
+
+
+def discard_typed_ahead(terminal):
+    """Throw away what was typed before the question was asked (a follow-up for the model,
+    starting 'a quick …', must not be read as [a]lways)."""
+    try:
+        termios.tcflush(terminal.fileno(), termios.TCIFLUSH)
+    except (AttributeError, OSError, ValueError):   # no termios (Windows): nothing to flush
+        pass
 
 
 def open_terminal():
@@ -1785,14 +1831,45 @@ def open_terminal():
 
 
 def show_preview(session, preview, lines=60):
-    """A diff in colour (or a command) on stderr, cut to its first lines."""
+    """A diff in colour (or a command) on stderr, cut to its first lines, each shown whole."""
     rows = preview.split("\n")
     for row in rows[:lines]:
         style = (BOLD if row.startswith(("+++", "---", "$ ")) else GREEN if row.startswith("+")
                  else RED if row.startswith("-") else CYAN if row.startswith("@@") else "")
-        session.say("  " + printable(row), style)
+        show_whole(session, row, style)
     if len(rows) > lines:
         session.say(f"  … {len(rows) - lines} more lines ([?] shows the arguments)", DIM)
+
+
+# What the user approves must be what they saw. A row of a preview is shown whole: a long run
+# of blanks is counted aloud, so that nothing hides beyond it ('pytest⟨300 spaces⟩; curl …'),
+# and a long row is wrapped here, so that no terminal, autowrap on or off, cuts it short.
+BLANKS = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]{33,}")
+
+
+def show_whole(session, row, style=""):
+    """One row of a preview on stderr: printable, long blanks counted, wrapped to the width."""
+    row = BLANKS.sub(lambda m: f"⟨{len(m.group())} "
+                     f"{'blanks' if m.group().strip(' ') else 'spaces'}⟩", printable(row))
+    width = max(terminal_width() - len(session.indent) - 4, 20)
+    pieces, piece, used = [], "", 0
+    for c in row:
+        wide = 8 if c == "\t" else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+        if used + wide > width:
+            pieces.append(piece)
+            piece, used = "", 0
+        piece, used = piece + c, used + wide
+    for i, piece in enumerate(pieces + [piece]):
+        session.say(("  " if i == 0 else "  ↪ ") + piece, style)
+
+
+def terminal_width() -> int:
+    """The columns of the terminal stderr is on; 100 if it is none or will not say."""
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = 0
+    return columns if columns >= 20 else 100
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2711,9 +2788,9 @@ class McpServer:
             adopt_orphans()
             with open(self.log, "ab") as log:   # subtle: stderr to a file, never to a pipe
                 self.process = subprocess.Popen(   # that nobody reads, which could fill up
-                    [self.spec["command"], *self.spec["args"]], cwd=cfg.root,
+                    [self.spec["program"], *self.spec["args"]], cwd=cfg.root,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                    env=dict(cfg.shell_env, **self.spec["env"]), start_new_session=True)
+                    env=self.spec["env"], start_new_session=True)
             self.born = start_time(self.process.pid)
             os.set_blocking(self.process.stdin.fileno(), False)   # see send()
             self.reader = threading.Thread(target=self.read, daemon=True)
@@ -2876,10 +2953,15 @@ def tool_name(server, tool, taken) -> str:
 
 def start_mcp(session):
     """Start the configured MCP servers side by side; offer their tools to the model."""
-    if session.cfg.mcp_problem:
-        session.say(f"mcp: {session.cfg.mcp_problem}", YELLOW)
+    for problem in session.cfg.mcp_problems:
+        session.say(f"mcp: {problem}", YELLOW)
     for name, spec in session.cfg.mcp.items():
-        if permitted(session, name, spec):
+        spec["env"] = dict(session.cfg.shell_env, **spec["env"])   # all it will get
+        spec["program"] = find_program(spec["command"], spec["env"], session.cfg.root)
+        if not spec["program"]:
+            session.say(f"mcp: {name}: failed: cannot run {spec['command']!r}: not found on "
+                        f"its PATH", YELLOW)
+        elif permitted(session, name, spec):
             session.servers.append(McpServer(name, spec))   # stop_mcp() stops what is here
     starting = [threading.Thread(target=s.start, args=(session.cfg,), daemon=True)
                 for s in session.servers]
@@ -2925,13 +3007,30 @@ def mcp_handler(server, tool, read_only):
 
 
 def permitted(session, name, spec) -> bool:
-    """May this server start? --mcp ones may; one from the workspace's .mcp.json, if allowed."""
+    """May this server start? --mcp ones may; one from the workspace's .mcp.json, if allowed.
+    The question shows all that decides what runs: the program its PATH finds, where that
+    is, every argument, and every variable the file sets (PATH, LD_PRELOAD, NODE_OPTIONS…)."""
     if not spec.get("ask") or session.cfg.yes:
         return True
-    command = " ".join([spec["command"], *spec.get("args", [])])
-    allowed, _ = ask_permission(session, f"MCP server {name}", {"command": command},
-                                f"$ {command}")
+    program, root = spec["program"], session.cfg.root
+    where = "INSIDE THE WORKSPACE" if inside(root, os.path.realpath(program)) else "on this machine"
+    given = {k: v for k, v in spec["env"].items() if session.cfg.shell_env.get(k) != v}
+    preview = "\n".join([f"$ {shlex.join([spec['command'], *spec['args']])}",
+                         f"# runs {program} ({where})"] +
+                        [f"# with {k}={v}" for k, v in sorted(given.items())])
+    shown = {"program": program, "args": spec["args"], "env": given}
+    allowed, _ = ask_permission(session, f"MCP server {name}", shown, Plan(preview, str))
     return allowed
+
+
+def find_program(command, env, cwd) -> str:
+    """The program a command names, found as the server's own PATH finds it from cwd, as an
+    absolute path ('' if none): started by that path, what runs is what was shown."""
+    folders = os.pathsep.join(os.path.join(cwd, d) for d in
+                              env.get("PATH", os.defpath).split(os.pathsep))
+    found = shutil.which(os.path.join(cwd, command) if os.path.dirname(command) else command,
+                         path=folders)
+    return os.path.normpath(found) if found else ""
 
 
 def stop_mcp(session):
@@ -3151,8 +3250,8 @@ class Screen:
         """Redraw the seconds waited, five times a second, until told to stop."""
         begun = time.monotonic()
         while not self.stop.wait(0.2):
-            self.session.say(f"\r… {time.monotonic() - begun:.0f}s", DIM, end="")
-        self.session.say("\r\033[K", end="")
+            self.session.say(f"\r… {time.monotonic() - begun:.0f}s", DIM, end="", raw=True)
+        self.session.say("\r\033[K", end="", raw=True)
 
     def quiet(self):
         """Stop the clock, and clear its line."""
@@ -3239,6 +3338,11 @@ def read_stdin(wait) -> str:
     return text[:STDIN_CAP]
 
 
+def for_stdout(text) -> str:
+    """text as stdout gets it: made printable on a terminal, byte for byte for a pipe."""
+    return printable(text) if sys.stdout.isatty() else text
+
+
 def one_shot(session, question) -> int:
     """Answer one question: the answer on stdout (or, for scripts, JSON); the exit code."""
     calls, failure = [], ""
@@ -3265,7 +3369,7 @@ def one_shot(session, question) -> int:
     elif session.cfg.output == "text" and not answer.strip():
         print("agent: the model gave an empty answer", file=sys.stderr)
     elif session.cfg.output == "text" and "content" not in session.shown:   # not streamed
-        print(printable(answer) if sys.stdout.isatty() else answer)
+        print(for_stdout(answer))
     return 0 if answer.strip() else 130 if session.exit_reason == "interrupted" else 1
 
 
@@ -3346,12 +3450,12 @@ def repl(session) -> int:
                 ran = [] if line == "/clear" else ran
             elif line.startswith("!"):   # the user's own command: no approval needed
                 output = run_command(session.cfg, line[1:], SHELL_TIMEOUT)
-                print(output, flush=True)
+                print(for_stdout(output), flush=True)
                 ran.append(f"[I ran `{line[1:].strip()}` myself: {cap(output, RESULT_CAP // 2)}]")
             else:
                 answer = run_turn(session, "\n\n".join(ran + [line]))
                 if "content" not in session.shown:
-                    print(printable(answer), flush=True)
+                    print(for_stdout(answer), flush=True)
                 ran = []
         except KeyboardInterrupt:
             session.say("\n(interrupted; the conversation is kept)", YELLOW)
@@ -3495,7 +3599,7 @@ def main(argv=None) -> int:
         if cfg.tool:
             name, arguments = cfg.tool
             result = execute(cfg, name, arguments, tools_for(cfg, find_skills(cfg.root)))
-            print(result)
+            print(for_stdout(result))
             return 1 if result.startswith("error:") else 0
         question = cfg.question.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         piped = sys.stdin is not None and not sys.stdin.isatty()
@@ -3513,7 +3617,7 @@ def main(argv=None) -> int:
         finally:
             stop_mcp(session)
     except Fatal as e:
-        print(f"agent: {e}", file=sys.stderr)
+        print(f"agent: {printable(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("\nagent: interrupted", file=sys.stderr)
@@ -3522,8 +3626,8 @@ def main(argv=None) -> int:
         sys.stderr.close()
         return 1
     except Exception as e:   # a fault of this program, not the user's: one line all the same
-        print(f"agent: internal error: {type(e).__name__}: {e} (a bug in agent.py)",
-              file=sys.stderr)
+        print(f"agent: internal error: {type(e).__name__}: {printable(str(e))} (a bug in "
+              f"agent.py)", file=sys.stderr)
         return 1
 
 
