@@ -797,6 +797,7 @@ def read_window(f, first, last):
     keep = LINE_BYTES                              # bytes kept of one line
     past, last_byte = 0, b"\n"
     for block in iter(lambda: f.read(BLOCK), b""):
+        check_time()   # subtle: a sparse 1 TiB file is quick to make and slow to count
         last_byte = block[-1:]
         newlines = count_newlines(block)
         if number + newlines < first or number > last:   # no line of the window in here
@@ -1407,7 +1408,8 @@ def write_text(full, text):
     """Write text to full by way of a temporary file and a rename, keeping the file's mode."""
     folder = os.path.dirname(full)
     os.makedirs(folder, exist_ok=True)
-    mode = stat.S_IMODE(os.stat(full).st_mode) if os.path.exists(full) else 0o644
+    # subtle: mkstemp makes a file only we can read; a new file gets what the umask allows
+    mode = stat.S_IMODE(os.stat(full).st_mode) if os.path.exists(full) else 0o666 & ~umask()
     fd, temporary = tempfile.mkstemp(dir=folder, prefix=".agent-")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -1417,6 +1419,13 @@ def write_text(full, text):
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def umask() -> int:
+    """The process's umask: the permissions new files are made without."""
+    mask = os.umask(0o077)   # the only way to read it is to set it, and at once set it back
+    os.umask(mask)
+    return mask
 
 
 def numbered(text, first, last) -> str:
@@ -2783,10 +2792,9 @@ class McpServer:
         how it went: ready, or failed and why."""
         self.state = "starting"
         try:
-            self.log = os.path.join(cfg.state, "mcp", re.sub(r"[^\w.-]", "_", self.name) + ".log")
-            os.makedirs(os.path.dirname(self.log), exist_ok=True)
+            self.log = os.path.join(private_folder(cfg, "mcp"), self.name + ".log")
             adopt_orphans()
-            with open(self.log, "ab") as log:   # subtle: stderr to a file, never to a pipe
+            with private_file(self.log, "ab") as log:   # subtle: stderr to a file, not a pipe
                 self.process = subprocess.Popen(   # that nobody reads, which could fill up
                     [self.spec["program"], *self.spec["args"]], cwd=cfg.root,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -3112,19 +3120,37 @@ def save(session, whole=False):
         return
     if whole or session.saved > len(session.messages):   # a compaction rewrote the transcript
         temporary = session.path + ".new"
-        with open(temporary, "w", encoding="utf-8") as f:
+        with private_file(temporary, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in session.messages)
         os.replace(temporary, session.path)
     else:
-        with open(session.path, "a", encoding="utf-8") as f:
+        with private_file(session.path, "a") as f:
             f.writelines(json.dumps(m) + "\n" for m in session.messages[session.saved:])
     session.saved = len(session.messages)
+
+
+def private_folder(cfg, *parts) -> str:
+    """A folder below the state folder, made (with the state folder itself) so that only this
+    user can look in: what the agent keeps, sessions, logs and history, is theirs alone."""
+    path = cfg.state
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for part in ("", *parts):
+        path = os.path.join(path, part)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    return os.path.normpath(path)
+
+
+def private_file(path, mode):
+    """A file opened to write ("w", "a", "ab"), made readable by this user alone if new."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return open(os.open(path, flags, 0o600), mode, **({} if "b" in mode else
+                                                       {"encoding": "utf-8"}))
 
 
 def start_saving(session):
     """Give the session a new file to be saved in, named by its start time."""
     folder = sessions_dir(session.cfg)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    private_folder(session.cfg, "sessions", os.path.basename(folder))
     name = ""
     while not name or os.path.exists(os.path.join(folder, name + ".jsonl")):
         name = time.strftime("%Y%m%d-%H%M%S") + f"-{random.randrange(16 ** 4):04x}"
@@ -3467,7 +3493,8 @@ def repl(session) -> int:
             session.say(f"agent: internal error: {type(e).__name__}: {e}", RED)
     if readline:
         try:
-            os.makedirs(os.path.dirname(history), exist_ok=True)
+            private_folder(session.cfg)
+            private_file(history, "a").close()   # made 0600 first, if new
             readline.set_history_length(1000)
             readline.write_history_file(history)
         except OSError:
@@ -3560,7 +3587,7 @@ def start_session(cfg) -> Session:
     session.transport = screen.wrap(lambda body: post_chat(session, body))
     if cfg.trace:
         try:
-            trace = open(cfg.trace, "a", encoding="utf-8")
+            trace = private_file(cfg.trace, "a")
         except OSError as e:
             raise UsageError(f"cannot write the trace to {cfg.trace}: {e.strerror}") from None
         session.sinks.append(lambda event: (trace.write(json.dumps(event) + "\n"),

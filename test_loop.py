@@ -936,6 +936,22 @@ class SearchEdgesTest(unittest.TestCase):
         self.addCleanup(os.close, writer)
         self.assertEqual(list(agent.scan_file(fifo, re.compile("x"))), [])
 
+    def test_a_huge_sparse_file_is_stopped_in_a_thread_too(self):
+        """read_file far into a sparse file, in a reader thread (where no alarm reaches),
+        stops at the time limit instead of counting a terabyte of lines."""
+        path = os.path.join(WORK, "sparse.bin")
+        with open(path, "wb") as f:
+            f.write(b"text\n" * 2000)
+            f.truncate(1 << 40)
+        self.addCleanup(os.unlink, path)
+        agent.TOOL_SECONDS, results = 0.2, []
+        reader = threading.Thread(target=lambda: results.append(
+            execute("read_file", path="sparse.bin", offset=10 ** 9)), daemon=True)
+        reader.start()
+        reader.join(5)
+        self.assertFalse(reader.is_alive(), "read_file ran past its time limit")
+        self.assertTrue(results[0].startswith("error: timeout:"), results[0])
+
     def test_symlinked_directory_in_a_git_index_is_not_followed(self):
         """A file git lists under a directory since replaced by a link out is not read, by rg
         or by Python, however deep the file below the link."""
@@ -2361,6 +2377,51 @@ class SessionFileTest(unittest.TestCase):
         self.assertEqual(fixed[2]["tool_calls"][0]["function"]["arguments"], "{}")
 
 
+class StateTrustTest(unittest.TestCase):
+    """What the agent keeps is its user's alone; what it writes in the workspace is as any
+    other program of theirs would write it."""
+
+    def test_state_files_are_private(self):
+        """Sessions, MCP logs, the trace and the history are 0600, in 0700 folders."""
+        state = tempfile.mkdtemp(dir=STATE)
+        trace = os.path.join(state, "trace.jsonl")
+        with CannedServer([reply("fine")]) as server:
+            code, _, _ = cli(["--mcp", mcp_config(), "--trace", trace, "q"], url=server.url,
+                             env={"XDG_STATE_HOME": state})
+            self.assertEqual(code, 0)
+            term = Terminal(server.url, XDG_STATE_HOME=state)
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+        kept = os.path.join(state, "agent-loop")
+        found = {os.path.relpath(os.path.join(top, name), state): os.stat(os.path.join(
+            top, name)).st_mode & 0o777 for top, dirs, files in os.walk(state)
+            for name in dirs + files}
+        for name, mode in found.items():
+            if os.path.join(state, name).startswith(kept) or name == "trace.jsonl":
+                self.assertEqual(mode, 0o700 if os.path.isdir(os.path.join(state, name))
+                                 else 0o600, name)
+        self.assertIn("agent-loop/mcp/test.log", found)
+        self.assertIn("agent-loop/history", found)
+        self.assertTrue(any(n.endswith(".jsonl") and "sessions" in n for n in found))
+
+    def test_new_workspace_files_honour_the_umask(self):
+        """write_file makes a new file as the umask says (0600 under 077, 0644 under 022), and
+        keeps the mode of a file it replaces."""
+        for mask, mode in ((0o077, 0o600), (0o022, 0o644)):
+            old = os.umask(mask)
+            try:
+                execute("write_file", path="masked.txt", content="x\n")
+            finally:
+                os.umask(old)
+            path = os.path.join(WORK, "masked.txt")
+            self.assertEqual(os.stat(path).st_mode & 0o777, mode)
+            os.chmod(path, 0o640)
+            execute("write_file", path="masked.txt", content="y\n")
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o640)
+            os.unlink(path)
+
+
 class ScriptOutputTest(unittest.TestCase):
     SCRIPT = [dict(calls(tool_call("list_dir"), tool_call("read_file", path="nope")),
                    extra={"usage": {"prompt_tokens": 50, "completion_tokens": 5}}),
@@ -2502,8 +2563,8 @@ class Terminal:
         if columns:   # as a window of that width would set it
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "AGENT_"))}
-        env.update(LLM_URL=url, LLM_MODEL="m", AGENT_ROOT=root or WORK, NO_COLOR="1",
-                   XDG_STATE_HOME=STATE, **environ)
+        env.update(dict(LLM_URL=url, LLM_MODEL="m", AGENT_ROOT=root or WORK, NO_COLOR="1",
+                        XDG_STATE_HOME=STATE), **environ)
         self.process = subprocess.Popen([sys.executable, AGENT, *args], stdin=slave,
                                         stdout=slave, stderr=slave, env=env, close_fds=True)
         os.close(slave)
