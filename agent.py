@@ -141,6 +141,7 @@ SUMMARY_TOKENS = 1024  # tokens the summary of a compacted conversation may take
 RETRY_ATTEMPTS = 4     # requests in all for one reply before giving up
 RETRY_BASE = 0.5       # seconds before the first retry; doubles each time, plus jitter
 RETRY_MAX_WAIT = 60.0  # seconds; a server asking to wait longer is reported instead
+REPLY_CAP = 16 << 20   # bytes of one reply, or of one line or event of a stream; more is refused
 STDIN_CAP = 100_000    # characters of piped stdin added to the question
 STDIN_WAIT = 3         # seconds to wait for piped stdin to start, when there is a question too
 
@@ -1971,9 +1972,11 @@ def exchange(session, body) -> dict:
         with response:   # closed however this ends: Ctrl+C mid-stream stops the server too
             if status == 200 and "event-stream" in headers.get("Content-Type", ""):
                 return read_stream(session, response)
-            raw = response.read()
+            raw = response.read(REPLY_CAP + 1)   # a body with no end must not fill memory
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise no_answer_error(session, e) from None
+    if len(raw) > REPLY_CAP:
+        raise too_long()
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -2045,35 +2048,57 @@ BOM = b"\xef\xbb\xbf"   # UTF-8's byte-order mark, which the SSE specification s
 
 def sse_events(response):
     """Yield (event, data) for each server-sent event, as soon as its bytes arrive."""
-    pending, event, data, first = b"", "message", [], True
+    # Only the bytes just read are searched for line ends, so a long line costs its length
+    # once, not once per read; a line or an event longer than REPLY_CAP is refused, not held.
+    line, event, data, held = bytearray(), "message", [], 0   # held: bytes of data so far
+    opening, after_cr = b"", False   # opening: the first bytes, until a BOM is ruled out
     while True:
         chunk = response.read1(65536)    # what has arrived, without waiting for a full buffer
-        pending += chunk
-        if first and chunk and BOM.startswith(pending):
-            continue                     # a byte-order mark may be opening the stream
-        if first and pending.startswith(BOM):
-            pending = pending[len(BOM):]
-        first = False
-        if chunk:   # subtle: a \r at the very end may be half of a \r\n still on its way
-            hold = 1 if pending.endswith(b"\r") else 0
-            lines = re.split(rb"\r\n|\r|\n", pending[:len(pending) - hold])
-            pending = lines.pop() + pending[len(pending) - hold:]
-        else:       # the end: what is left is a last line, and the event it may end
-            lines, pending = [pending, b""], b""
-        for line in lines:
-            if not line:                              # a blank line ends an event
+        ended = not chunk
+        if opening is not None:          # a byte-order mark may open the stream, in pieces
+            opening += chunk
+            if not ended and BOM.startswith(opening):
+                continue
+            chunk = opening[len(BOM):] if opening.startswith(BOM) else opening
+            opening = None
+        if after_cr and chunk.startswith(b"\n"):   # subtle: a \r\n split between two reads;
+            chunk = chunk[1:]                       # its \r has ended the line already
+        after_cr = chunk.endswith(b"\r")
+        first, *more = re.split(rb"\r\n|\r|\n", chunk)
+        line += first
+        lines = []
+        if more:    # the line so far ends in this chunk; the last piece begins the next
+            lines, line = [bytes(line)] + more[:-1], bytearray(more[-1])
+        if ended:   # the end: what is left is a last line, and the event it may end
+            lines += [bytes(line), b""]
+        if len(line) + held > REPLY_CAP:
+            raise too_long()
+        for whole in lines:
+            if not whole:                             # a blank line ends an event
                 if data:
                     yield event, b"\n".join(data).decode("utf-8", "replace")
-                event, data = "message", []
-            elif not line.startswith(b":"):           # ": ping" and the like are comments
-                field, _, value = line.partition(b":")
+                event, data, held = "message", [], 0
+            elif not whole.startswith(b":"):          # ": ping" and the like are comments
+                field, _, value = whole.partition(b":")
                 value = value[1:] if value.startswith(b" ") else value
                 if field == b"data":
                     data.append(value)
+                    held += len(value) + 1
                 elif field == b"event":
                     event = value.decode("utf-8", "replace")
-        if not chunk:
+            if held > REPLY_CAP:   # an event of many lines, each of them short
+                raise too_long()
+        if ended:
             return
+
+
+def too_long() -> Fatal:
+    """The error for a reply, or a line or event of a stream, longer than REPLY_CAP."""
+    # A Fatal, not a Retry: no model writes that much in one piece (a long answer streams as
+    # many small events), so the server or a proxy before it is broken, and asking again
+    # would only fetch the same flood once more.
+    return Fatal(f"the server sent over {human_size(REPLY_CAP)} in one reply or one streamed "
+                 f"event; no reply is that long, so the server (or a proxy before it) is broken")
 
 
 def read_stream(session, response) -> dict:

@@ -1651,6 +1651,53 @@ class ContextTest(unittest.TestCase):
                              agent.CONTEXT)
 
 
+class Trickle:
+    """A streamed response whose bytes come a few at a time, as read1 hands them out."""
+
+    def __init__(self, data, size):
+        self.data, self.size, self.sent = data, size, 0   # sent: bytes handed out so far
+
+    def read1(self, n):
+        piece = self.data[self.sent:self.sent + min(n, self.size)]
+        self.sent += len(piece)
+        return piece
+
+
+class ServerTrustTest(unittest.TestCase):
+    """A broken or hostile server costs bounded time and memory, and learns nothing."""
+
+    def test_a_long_line_arriving_in_pieces_is_read_in_linear_time(self):
+        """One 2 MB data line in 1 KB reads is parsed in one pass, not re-split on every read
+        (which took seconds of CPU); a \\r\\n split across reads is still one line end."""
+        line = b"data: " + b"x" * ((2 << 20) - 7) + b"\r"   # the \r ends a read: 2 MB
+        stream = Trickle(line + b"\n\r\ndata: two\n\n", 1024)
+        start = time.process_time()
+        events = list(agent.sse_events(stream))
+        self.assertLess(time.process_time() - start, 1.0)
+        self.assertEqual([(e, len(d)) for e, d in events],
+                         [("message", (2 << 20) - 7), ("message", 3)])
+
+    def test_a_line_or_event_past_the_cap_is_refused_unread(self):
+        """A line, or an event of many lines, longer than REPLY_CAP ends the request with one
+        clear line, before the rest is read; a whole reply that long too. None is retried."""
+        cap = 256 << 10
+        with unittest.mock.patch.object(agent, "REPLY_CAP", cap):
+            for data in (b"data: " + b"x" * (4 * cap),                      # one endless line
+                         (b"data: " + b"y" * 1000 + b"\n") * (4 * cap // 1000)):   # one event
+                stream = Trickle(data, 4096)
+                with self.assertRaises(agent.Fatal) as caught:
+                    list(agent.sse_events(stream))
+                self.assertLess(stream.sent, cap + 65536)
+                self.assertIn("the server sent over 256.0 KB", str(caught.exception))
+            for step in ({"sse": [b"data: " + b"z" * (2 * cap) + b"\n\n"]},
+                         {"raw": b"z" * (2 * cap)}):
+                run = run_agent([step, reply("never asked for")])
+                self.assertIsInstance(run.answer, agent.Fatal)
+                self.assertIn("the server sent over 256.0 KB", str(run.answer))
+                self.assertEqual(len(run.bodies), 1)
+                assert_valid(self, run.session.messages)
+
+
 # ----------------------------------------------------------------------------------------------
 # 7. The loop
 # ----------------------------------------------------------------------------------------------
