@@ -1882,6 +1882,11 @@ def no_answer_error(session, e) -> Exception:
 
 def server_error(cfg, status, headers, data, raw, message) -> Exception:
     """The exception for an error the server sent: a Retry if it may pass, else a Fatal."""
+    if 300 <= status < 400:   # a redirect, not followed (see opener): asking again won't help
+        where = urllib.parse.urljoin(cfg.url + "/", (headers or {}).get("Location") or "")
+        return Fatal(f"the server redirects this request (HTTP {status}) to "
+                     f"{redact(cfg, where)[:300]}; redirects are not followed, so that the API "
+                     f"key goes only to LLM_URL ({cfg.url}): set LLM_URL to the address meant")
     message = redact(cfg, message or raw.decode("utf-8", "replace").strip()[:300] or
                      http.client.responses.get(status, "error"))
     error = data.get("error") if isinstance(data, dict) else None
@@ -1930,14 +1935,26 @@ def fetch(cfg, method, path, body=None, timeout=None):
 
 @functools.lru_cache(maxsize=8)   # subtle: building one sets up TLS, milliseconds each time
 def opener(url):
-    """urllib's opener; a server on this machine is never reached through a proxy."""
+    """urllib's opener; a server on this machine is never reached through a proxy, and no
+    redirect is followed."""
     host = urllib.parse.urlsplit(url).hostname or ""
     try:
         local = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         local = False
     return urllib.request.build_opener(urllib.request.ProxyHandler({}) if local else
-                                       urllib.request.ProxyHandler())
+                                       urllib.request.ProxyHandler(), NoRedirect)
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, turned off: server_error() says where the server pointed instead."""
+    # subtle: urllib follows a redirect to any host with every header, Authorization too, and
+    # turns a POST answered 301, 302 or 303 into a GET without its body, which no chat server
+    # answers anyway. Not following at all is the one rule with no origin to get wrong.
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        """None: the 3xx comes back as it is, as an HTTPError that connect() returns."""
+        return None
 
 
 def post_chat(session, body) -> dict:
@@ -1982,7 +1999,7 @@ def exchange(session, body) -> dict:
     except (ValueError, RecursionError):
         data = None
     message = error_message(data)
-    if status >= 400 or message is not None:
+    if status >= 300 or message is not None:
         if drop_unsupported(session, body, message or ""):
             return exchange(session, body)   # subtle: body was changed: this is a new request
         raise server_error(cfg, status, headers, data, raw, message)

@@ -1663,6 +1663,15 @@ class Trickle:
         return piece
 
 
+class RedirectingHandler(CannedHandler):
+    """Answers a GET as a moved server does: with a redirect to server.elsewhere."""
+
+    def do_GET(self):
+        self.server.requests.append({"method": "GET", "path": self.path,
+                                     "headers": dict(self.headers), "body": None})
+        self.send(302, b"", {"Location": self.server.elsewhere + self.path})
+
+
 class ServerTrustTest(unittest.TestCase):
     """A broken or hostile server costs bounded time and memory, and learns nothing."""
 
@@ -1696,6 +1705,31 @@ class ServerTrustTest(unittest.TestCase):
                 self.assertIn("the server sent over 256.0 KB", str(run.answer))
                 self.assertEqual(len(run.bodies), 1)
                 assert_valid(self, run.session.messages)
+
+    def test_no_redirect_is_followed_so_the_key_stays_home(self):
+        """A redirect, of the chat request or of GET /models or /props, is not followed: the
+        server it points to (another origin) never hears the key, and the user is told, once,
+        where it pointed."""
+        key = "sk-redirect-secret"
+        with CannedServer([reply("from elsewhere")] * 5) as other:
+            elsewhere = other.url + "/chat/completions"
+            for status in (301, 302, 303, 307, 308):
+                with self.subTest(status=status), CannedServer(
+                        [{"status": status, "headers": {"Location": elsewhere}}]) as server:
+                    server.RequestHandlerClass, server.elsewhere = RedirectingHandler, other.url
+                    session = agent.new_session(agent.load_config(   # no model: GET /models
+                        ["--url", server.url, "--root", WORK], {"LLM_API_KEY": key}))
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        with self.assertRaises(agent.Fatal) as caught:
+                            agent.run_turn(session, "q")
+                    self.assertIn("(HTTP %d) to %s" % (status, elsewhere), str(caught.exception))
+                    self.assertIn("set LLM_URL", str(caught.exception))
+                    self.assertEqual([(r["method"], r["path"]) for r in server.requests],
+                                     [("GET", "/props"), ("GET", "/v1/models"),
+                                      ("POST", "/v1/chat/completions")])
+                    self.assertEqual(server.requests[-1]["headers"]["Authorization"],
+                                     "Bearer " + key)
+            self.assertEqual(other.requests, [])
 
 
 # ----------------------------------------------------------------------------------------------
