@@ -1772,7 +1772,8 @@ def show_preview(session, preview, lines=60):
 # Servers fail in many shapes. What may pass (a 429, a 503, a dropped connection, a body that
 # is not JSON) becomes a Retry, which post_chat() waits out. What cannot (a 401, a full
 # context, no tool support) becomes a Fatal in one line: the server's own words, found in any of
-# the shapes servers use, and what the user can do about it.
+# the shapes servers use, and what the user can do about it. Those words may quote the API key
+# back, so what a server sends is redacted as it comes in, before anything quotes or cuts it.
 
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}   # and every other 5xx
 
@@ -1877,7 +1878,8 @@ def no_answer_error(session, e) -> Exception:
                    f"MODEL.gguf --jinja) or set LLM_URL")
         # at first contact that means no server; later, perhaps one restarting
         return Retry(problem) if session.answered else Fatal(problem)
-    return Retry(f"cannot reach {cfg.url}: {reason}")
+    # subtle: a status line that is not HTTP is quoted in the exception, key and all
+    return Retry(f"cannot reach {cfg.url}: {redact(cfg, str(reason)).strip()}")
 
 
 def server_error(cfg, status, headers, data, raw, message) -> Exception:
@@ -1898,9 +1900,13 @@ def server_error(cfg, status, headers, data, raw, message) -> Exception:
     return fatal_error(cfg, status, message, data)
 
 
-def redact(cfg, text) -> str:
-    """text without the API key in it, should a server echo the key back."""
-    return text.replace(cfg.api_key, "***") if cfg.api_key else text
+def redact(cfg, text):
+    """text (str or bytes) without the API key in it, should a server echo the key back."""
+    if not cfg.api_key:
+        return text
+    if isinstance(text, bytes):
+        return text.replace(cfg.api_key.encode(), b"***")
+    return text.replace(cfg.api_key, "***")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1994,6 +2000,8 @@ def exchange(session, body) -> dict:
         raise no_answer_error(session, e) from None
     if len(raw) > REPLY_CAP:
         raise too_long()
+    # subtle: before anything quotes the body, or cuts it where the key would lose its end
+    raw = redact(cfg, raw)
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -2123,6 +2131,7 @@ def read_stream(session, response) -> dict:
     cfg, show = session.cfg, session.show or (lambda kind, text: None)
     text, reasoning, calls, finish, done, extra = [], [], {}, None, False, {}
     for event, data in sse_events(response):
+        data = redact(cfg, data)   # before it is quoted or cut, as in exchange()
         if data.strip() == "[DONE]":
             done = True
             break
@@ -2222,7 +2231,8 @@ def normalise(session, data) -> Reply:
     """The assistant message of a reply, reshaped so every server accepts it back."""
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise Fatal(f"the model's reply has no choices: {json.dumps(data)[:160]}")
+        raise Fatal(f"the model's reply has no choices: "
+                    f"{redact(session.cfg, json.dumps(data))[:160]}")
     choice = choices[0]
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))

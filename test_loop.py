@@ -1672,6 +1672,17 @@ class RedirectingHandler(CannedHandler):
         self.send(302, b"", {"Location": self.server.elsewhere + self.path})
 
 
+class GarbledHandler(CannedHandler):
+    """Answers a POST with server.garbled, bytes that are not HTTP at all."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.requests.append({"method": "POST", "path": self.path,
+                                     "headers": dict(self.headers), "body": {}})
+        self.wfile.write(self.server.garbled)
+        self.close_connection = True
+
+
 class ServerTrustTest(unittest.TestCase):
     """A broken or hostile server costs bounded time and memory, and learns nothing."""
 
@@ -1730,6 +1741,33 @@ class ServerTrustTest(unittest.TestCase):
                     self.assertEqual(server.requests[-1]["headers"]["Authorization"],
                                      "Bearer " + key)
             self.assertEqual(other.requests, [])
+
+    def test_a_key_echoed_in_a_broken_reply_is_never_shown(self):
+        """A key the server echoes in a body that is not JSON, in one with no choices, in a
+        streamed event that is not an object, or in a status line that is not HTTP reaches
+        neither stderr nor --json nor the saved session: nor does its start, where a quote of
+        the first 120 bytes would cut it."""
+        key = "sk-echoed-0123456789abcdef"
+        for echo in ({"raw": b"<html>" + b"." * 106 + key.encode()},
+                     {"raw": json.dumps({"object": "chat.completion", "echo": key}).encode()},
+                     {"sse": [b"data: " + b"." * 110 + key.encode() + b"\n\n"]},
+                     {"garbled": b"XTTP/1.1 200 " + key.encode() + b"\r\n\r\n"}):
+            with self.subTest(echo=echo), CannedServer([echo] * 4) as server:
+                if "garbled" in echo:
+                    server.RequestHandlerClass, server.garbled = GarbledHandler, echo["garbled"]
+                session = agent.start_session(config(server.url, "--json", LLM_API_KEY=key,
+                                                     XDG_STATE_HOME=STATE))
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    self.assertEqual(agent.one_shot(session, "q"), 1)
+                with open(session.path, encoding="utf-8") as f:
+                    saved = f.read()
+                error = json.loads(out.getvalue())["error"]
+                self.assertIn("(gave up after 4 attempts)", error)
+                self.assertIn("***", error)
+                self.assertEqual(err.getvalue().count("***"), 3)   # in each retry's line
+                for shown in (err.getvalue(), out.getvalue(), saved):
+                    self.assertNotIn(key[:8], shown)
 
 
 # ----------------------------------------------------------------------------------------------
