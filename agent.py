@@ -142,6 +142,7 @@ RETRY_ATTEMPTS = 4     # requests in all for one reply before giving up
 RETRY_BASE = 0.5       # seconds before the first retry; doubles each time, plus jitter
 RETRY_MAX_WAIT = 60.0  # seconds; a server asking to wait longer is reported instead
 REPLY_CAP = 16 << 20   # bytes of one reply, or of one line or event of a stream; more is refused
+NESTING_CAP = 100      # levels of lists and objects one reply may nest; deeper is malformed
 STDIN_CAP = 100_000    # characters of piped stdin added to the question
 STDIN_WAIT = 3         # seconds to wait for piped stdin to start, when there is a question too
 
@@ -1845,7 +1846,27 @@ def fatal_error(cfg, status, message, data) -> Fatal:
 
 def to_int(value) -> int:
     """value as a whole number if it is one (5, "5"), else 0: servers' numbers are not trusted."""
-    return int(value) if isinstance(value, (int, str)) and str(value).isdigit() else 0
+    # subtle: "²" and "١٢" are digits to isdigit() and not to int(), which also refuses a
+    # string of over 4,300 digits: only a few ASCII digits are a number here
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,18}", value):
+        value = int(value)
+    return value if type(value) is int and 0 <= value < 10 ** 18 else 0
+
+
+def server_json(raw):
+    """A server's JSON text as Python values; None if it is not JSON, or nests deeper than
+    NESTING_CAP, which no reply does and which would overflow the stack of what walks it."""
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    # subtle: measured a level at a time, not by recursion, the very thing such a value breaks
+    level = [parsed] if isinstance(parsed, (dict, list)) else []
+    for _ in range(NESTING_CAP):
+        level = [item for value in level
+                 for item in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(item, (dict, list))]   # the lists and objects one level down
+    return None if level else parsed
 
 
 def permanent(message) -> bool:
@@ -2002,17 +2023,15 @@ def exchange(session, body) -> dict:
         raise too_long()
     # subtle: before anything quotes the body, or cuts it where the key would lose its end
     raw = redact(cfg, raw)
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        data = None
+    data = server_json(raw)
     message = error_message(data)
     if status >= 300 or message is not None:
         if drop_unsupported(session, body, message or ""):
             return exchange(session, body)   # subtle: body was changed: this is a new request
         raise server_error(cfg, status, headers, data, raw, message)
     if not isinstance(data, dict):
-        raise Retry(f"the reply is not JSON: {raw[:120]!r}")
+        raise Retry(f"the reply is not JSON (or is nested over {NESTING_CAP} levels deep): "
+                    f"{raw[:120]!r}")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise Retry(f"the reply has no choices: {raw[:120]!r}")
@@ -2137,12 +2156,10 @@ def read_stream(session, response) -> dict:
             break
         if not data.strip():   # an empty event: nothing to read in it
             continue
-        try:
-            chunk = json.loads(data)
-        except (ValueError, RecursionError):
-            chunk = None
+        chunk = server_json(data)
         if not isinstance(chunk, dict):
-            raise Retry(f"a streamed event is not a JSON object: {data[:120]!r}")
+            raise Retry(f"a streamed event is not a JSON object (or is nested over "
+                        f"{NESTING_CAP} levels deep): {data[:120]!r}")
         message = error_message(chunk)
         if event == "error" or message is not None:   # an error after the HTTP 200
             raise server_error(cfg, 200, {}, chunk, data.encode(), message or data[:300])

@@ -1769,6 +1769,32 @@ class ServerTrustTest(unittest.TestCase):
                 for shown in (err.getvalue(), out.getvalue(), saved):
                     self.assertNotIn(key[:8], shown)
 
+    def test_odd_numbers_and_deep_nesting_are_malformed_not_a_crash(self):
+        """Token counts such as "²" or "١٢" (digits to str.isdigit, not to int) count as none;
+        a reply nested 600 deep, whole or streamed, is asked for again like any other
+        malformed reply. Neither ends the turn with an internal error."""
+        for value, expected in (("5", 5), (5, 5), ("²", 0), ("١٢", 0), ("9" * 5000, 0),
+                                (-3, 0), (True, 0), (5.0, 0), (" 5", 0), (None, 0)):
+            self.assertEqual(agent.to_int(value), expected, value)
+        for flags in ([], ["--no-stream"]):
+            odd = dict(reply("ok"), extra={"usage": {"prompt_tokens": "²", "completion_tokens":
+                                                     "١٢", "prompt_tokens_details": {
+                                                         "cached_tokens": "9" * 5000}}})
+            run = run_agent([odd], "q", "-v", *flags)
+            self.assertEqual(run.answer, "ok")
+            self.assertIn("[0 prompt tokens, 0 cached, 0 generated,", run.stderr)
+            assert_valid(self, run.session.messages)
+        deep = b"[" * 600 + b'"x"' + b"]" * 600
+        whole = b'{"choices": [{"message": {"role": "assistant", "content": %s}}]}' % deep
+        streamed = [b'data: {"choices": [{"index": 0, "delta": {"content": "deep"}, '
+                    b'"finish_reason": "stop"}], "usage": %s}\n\n' % deep, b"data: [DONE]\n\n"]
+        for step in ({"raw": whole}, {"sse": streamed}):
+            run = run_agent([step, reply("fine")])
+            self.assertEqual(run.answer, "fine")
+            self.assertIn("nested over 100 levels deep", run.stderr)
+            self.assertEqual(len(run.bodies), 2)
+            assert_valid(self, run.session.messages)
+
 
 # ----------------------------------------------------------------------------------------------
 # 7. The loop
