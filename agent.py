@@ -1956,8 +1956,8 @@ def connect(cfg, method, path, body=None, timeout=None):
 def fetch(cfg, method, path, body=None, timeout=None):
     """One whole HTTP exchange: (status, headers, raw body). Raises if there is no answer."""
     status, headers, response = connect(cfg, method, path, body, timeout)
-    with response:
-        return status, headers, response.read()
+    with response:   # cut at REPLY_CAP: what is longer is no answer its caller can use
+        return status, headers, response.read(REPLY_CAP + 1)
 
 
 @functools.lru_cache(maxsize=8)   # subtle: building one sets up TLS, milliseconds each time

@@ -1699,7 +1699,8 @@ class ServerTrustTest(unittest.TestCase):
 
     def test_a_line_or_event_past_the_cap_is_refused_unread(self):
         """A line, or an event of many lines, longer than REPLY_CAP ends the request with one
-        clear line, before the rest is read; a whole reply that long too. None is retried."""
+        clear line, before the rest is read; a whole reply that long too (and a GET /models
+        is no answer). None is retried."""
         cap = 256 << 10
         with unittest.mock.patch.object(agent, "REPLY_CAP", cap):
             for data in (b"data: " + b"x" * (4 * cap),                      # one endless line
@@ -1716,6 +1717,10 @@ class ServerTrustTest(unittest.TestCase):
                 self.assertIn("the server sent over 256.0 KB", str(run.answer))
                 self.assertEqual(len(run.bodies), 1)
                 assert_valid(self, run.session.messages)
+            with CannedServer([], models=["m" * (2 * cap)]) as server:   # GET /models too
+                session = agent.new_session(agent.load_config(
+                    ["--url", server.url, "--root", WORK], {}))
+                self.assertEqual(agent.pick_model(session), "default")
 
     def test_no_redirect_is_followed_so_the_key_stays_home(self):
         """A redirect, of the chat request or of GET /models or /props, is not followed: the
@@ -1776,11 +1781,10 @@ class ServerTrustTest(unittest.TestCase):
         for value, expected in (("5", 5), (5, 5), ("²", 0), ("١٢", 0), ("9" * 5000, 0),
                                 (-3, 0), (True, 0), (5.0, 0), (" 5", 0), (None, 0)):
             self.assertEqual(agent.to_int(value), expected, value)
+        odd = {"prompt_tokens": "²", "completion_tokens": "١٢",
+               "prompt_tokens_details": {"cached_tokens": "9" * 5000}}
         for flags in ([], ["--no-stream"]):
-            odd = dict(reply("ok"), extra={"usage": {"prompt_tokens": "²", "completion_tokens":
-                                                     "١٢", "prompt_tokens_details": {
-                                                         "cached_tokens": "9" * 5000}}})
-            run = run_agent([odd], "q", "-v", *flags)
+            run = run_agent([dict(reply("ok"), extra={"usage": odd})], "q", "-v", *flags)
             self.assertEqual(run.answer, "ok")
             self.assertIn("[0 prompt tokens, 0 cached, 0 generated,", run.stderr)
             assert_valid(self, run.session.messages)
