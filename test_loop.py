@@ -1753,11 +1753,12 @@ class ServerTrustTest(unittest.TestCase):
         neither stderr nor --json nor the saved session: nor does its start, where a quote of
         the first 120 bytes would cut it."""
         key = "sk-echoed-0123456789abcdef"
+        fast = unittest.mock.patch.object(agent, "RETRY_BASE", 0.001)   # 12 retries in all
         for echo in ({"raw": b"<html>" + b"." * 106 + key.encode()},
                      {"raw": json.dumps({"object": "chat.completion", "echo": key}).encode()},
                      {"sse": [b"data: " + b"." * 110 + key.encode() + b"\n\n"]},
                      {"garbled": b"XTTP/1.1 200 " + key.encode() + b"\r\n\r\n"}):
-            with self.subTest(echo=echo), CannedServer([echo] * 4) as server:
+            with self.subTest(echo=echo), CannedServer([echo] * 4) as server, fast:
                 if "garbled" in echo:
                     server.RequestHandlerClass, server.garbled = GarbledHandler, echo["garbled"]
                 session = agent.start_session(config(server.url, "--json", LLM_API_KEY=key,
