@@ -147,6 +147,8 @@ SUMMARY_TOKENS = 1024  # tokens the summary of a compacted conversation may take
 RETRY_ATTEMPTS = 4     # requests in all for one reply before giving up
 RETRY_BASE = 0.5       # seconds before the first retry; doubles each time, plus jitter
 RETRY_MAX_WAIT = 60.0  # seconds; a server asking to wait longer is reported instead
+REPLY_CAP = 16 << 20   # bytes of one reply, or of one line or event of a stream; more is refused
+NESTING_CAP = 100      # levels of lists and objects one reply may nest; deeper is malformed
 STDIN_CAP = 100_000    # characters of piped stdin added to the question
 STDIN_WAIT = 3         # seconds to wait for piped stdin to start, when there is a question too
 
@@ -1887,7 +1889,8 @@ def terminal_width() -> int:
 # Servers fail in many shapes. What may pass (a 429, a 503, a dropped connection, a body that
 # is not JSON) becomes a Retry, which post_chat() waits out. What cannot (a 401, a full
 # context, no tool support) becomes a Fatal in one line: the server's own words, found in any of
-# the shapes servers use, and what the user can do about it.
+# the shapes servers use, and what the user can do about it. Those words may quote the API key
+# back, so what a server sends is redacted as it comes in, before anything quotes or cuts it.
 
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}   # and every other 5xx
 
@@ -1959,7 +1962,27 @@ def fatal_error(cfg, status, message, data) -> Fatal:
 
 def to_int(value) -> int:
     """value as a whole number if it is one (5, "5"), else 0: servers' numbers are not trusted."""
-    return int(value) if isinstance(value, (int, str)) and str(value).isdigit() else 0
+    # subtle: "²" and "١٢" are digits to isdigit() and not to int(), which also refuses a
+    # string of over 4,300 digits: only a few ASCII digits are a number here
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,18}", value):
+        value = int(value)
+    return value if type(value) is int and 0 <= value < 10 ** 18 else 0
+
+
+def server_json(raw):
+    """A server's JSON text as Python values; None if it is not JSON, or nests deeper than
+    NESTING_CAP, which no reply does and which would overflow the stack of what walks it."""
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    # subtle: measured a level at a time, not by recursion, the very thing such a value breaks
+    level = [parsed] if isinstance(parsed, (dict, list)) else []
+    for _ in range(NESTING_CAP):
+        level = [item for value in level
+                 for item in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(item, (dict, list))]   # the lists and objects one level down
+    return None if level else parsed
 
 
 def permanent(message) -> bool:
@@ -1992,11 +2015,17 @@ def no_answer_error(session, e) -> Exception:
                    f"MODEL.gguf --jinja) or set LLM_URL")
         # at first contact that means no server; later, perhaps one restarting
         return Retry(problem) if session.answered else Fatal(problem)
-    return Retry(f"cannot reach {cfg.url}: {reason}")
+    # subtle: a status line that is not HTTP is quoted in the exception, key and all
+    return Retry(f"cannot reach {cfg.url}: {redact(cfg, str(reason)).strip()}")
 
 
 def server_error(cfg, status, headers, data, raw, message) -> Exception:
     """The exception for an error the server sent: a Retry if it may pass, else a Fatal."""
+    if 300 <= status < 400:   # a redirect, not followed (see opener): asking again won't help
+        where = urllib.parse.urljoin(cfg.url + "/", (headers or {}).get("Location") or "")
+        return Fatal(f"the server redirects this request (HTTP {status}) to "
+                     f"{redact(cfg, where)[:300]}; redirects are not followed, so that the API "
+                     f"key goes only to LLM_URL ({cfg.url}): set LLM_URL to the address meant")
     message = redact(cfg, message or raw.decode("utf-8", "replace").strip()[:300] or
                      http.client.responses.get(status, "error"))
     error = data.get("error") if isinstance(data, dict) else None
@@ -2008,9 +2037,13 @@ def server_error(cfg, status, headers, data, raw, message) -> Exception:
     return fatal_error(cfg, status, message, data)
 
 
-def redact(cfg, text) -> str:
-    """text without the API key in it, should a server echo the key back."""
-    return text.replace(cfg.api_key, "***") if cfg.api_key else text
+def redact(cfg, text):
+    """text (str or bytes) without the API key in it, should a server echo the key back."""
+    if not cfg.api_key:
+        return text
+    if isinstance(text, bytes):
+        return text.replace(cfg.api_key.encode(), b"***")
+    return text.replace(cfg.api_key, "***")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2039,20 +2072,32 @@ def connect(cfg, method, path, body=None, timeout=None):
 def fetch(cfg, method, path, body=None, timeout=None):
     """One whole HTTP exchange: (status, headers, raw body). Raises if there is no answer."""
     status, headers, response = connect(cfg, method, path, body, timeout)
-    with response:
-        return status, headers, response.read()
+    with response:   # cut at REPLY_CAP: what is longer is no answer its caller can use
+        return status, headers, response.read(REPLY_CAP + 1)
 
 
 @functools.lru_cache(maxsize=8)   # subtle: building one sets up TLS, milliseconds each time
 def opener(url):
-    """urllib's opener; a server on this machine is never reached through a proxy."""
+    """urllib's opener; a server on this machine is never reached through a proxy, and no
+    redirect is followed."""
     host = urllib.parse.urlsplit(url).hostname or ""
     try:
         local = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         local = False
     return urllib.request.build_opener(urllib.request.ProxyHandler({}) if local else
-                                       urllib.request.ProxyHandler())
+                                       urllib.request.ProxyHandler(), NoRedirect)
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, turned off: server_error() says where the server pointed instead."""
+    # subtle: urllib follows a redirect to any host with every header, Authorization too, and
+    # turns a POST answered 301, 302 or 303 into a GET without its body, which no chat server
+    # answers anyway. Not following at all is the one rule with no origin to get wrong.
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        """None: the 3xx comes back as it is, as an HTTPError that connect() returns."""
+        return None
 
 
 def post_chat(session, body) -> dict:
@@ -2087,20 +2132,22 @@ def exchange(session, body) -> dict:
         with response:   # closed however this ends: Ctrl+C mid-stream stops the server too
             if status == 200 and "event-stream" in headers.get("Content-Type", ""):
                 return read_stream(session, response)
-            raw = response.read()
+            raw = response.read(REPLY_CAP + 1)   # a body with no end must not fill memory
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise no_answer_error(session, e) from None
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        data = None
+    if len(raw) > REPLY_CAP:
+        raise too_long()
+    # subtle: before anything quotes the body, or cuts it where the key would lose its end
+    raw = redact(cfg, raw)
+    data = server_json(raw)
     message = error_message(data)
-    if status >= 400 or message is not None:
+    if status >= 300 or message is not None:
         if drop_unsupported(session, body, message or ""):
             return exchange(session, body)   # subtle: body was changed: this is a new request
         raise server_error(cfg, status, headers, data, raw, message)
     if not isinstance(data, dict):
-        raise Retry(f"the reply is not JSON: {raw[:120]!r}")
+        raise Retry(f"the reply is not JSON (or is nested over {NESTING_CAP} levels deep): "
+                    f"{raw[:120]!r}")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise Retry(f"the reply has no choices: {raw[:120]!r}")
@@ -2161,35 +2208,57 @@ BOM = b"\xef\xbb\xbf"   # UTF-8's byte-order mark, which the SSE specification s
 
 def sse_events(response):
     """Yield (event, data) for each server-sent event, as soon as its bytes arrive."""
-    pending, event, data, first = b"", "message", [], True
+    # Only the bytes just read are searched for line ends, so a long line costs its length
+    # once, not once per read; a line or an event longer than REPLY_CAP is refused, not held.
+    line, event, data, held = bytearray(), "message", [], 0   # held: bytes of data so far
+    opening, after_cr = b"", False   # opening: the first bytes, until a BOM is ruled out
     while True:
         chunk = response.read1(65536)    # what has arrived, without waiting for a full buffer
-        pending += chunk
-        if first and chunk and BOM.startswith(pending):
-            continue                     # a byte-order mark may be opening the stream
-        if first and pending.startswith(BOM):
-            pending = pending[len(BOM):]
-        first = False
-        if chunk:   # subtle: a \r at the very end may be half of a \r\n still on its way
-            hold = 1 if pending.endswith(b"\r") else 0
-            lines = re.split(rb"\r\n|\r|\n", pending[:len(pending) - hold])
-            pending = lines.pop() + pending[len(pending) - hold:]
-        else:       # the end: what is left is a last line, and the event it may end
-            lines, pending = [pending, b""], b""
-        for line in lines:
-            if not line:                              # a blank line ends an event
+        ended = not chunk
+        if opening is not None:          # a byte-order mark may open the stream, in pieces
+            opening += chunk
+            if not ended and BOM.startswith(opening):
+                continue
+            chunk = opening[len(BOM):] if opening.startswith(BOM) else opening
+            opening = None
+        if after_cr and chunk.startswith(b"\n"):   # subtle: a \r\n split between two reads;
+            chunk = chunk[1:]                       # its \r has ended the line already
+        after_cr = chunk.endswith(b"\r")
+        first, *more = re.split(rb"\r\n|\r|\n", chunk)
+        line += first
+        lines = []
+        if more:    # the line so far ends in this chunk; the last piece begins the next
+            lines, line = [bytes(line)] + more[:-1], bytearray(more[-1])
+        if ended:   # the end: what is left is a last line, and the event it may end
+            lines += [bytes(line), b""]
+        if len(line) + held > REPLY_CAP:
+            raise too_long()
+        for whole in lines:
+            if not whole:                             # a blank line ends an event
                 if data:
                     yield event, b"\n".join(data).decode("utf-8", "replace")
-                event, data = "message", []
-            elif not line.startswith(b":"):           # ": ping" and the like are comments
-                field, _, value = line.partition(b":")
+                event, data, held = "message", [], 0
+            elif not whole.startswith(b":"):          # ": ping" and the like are comments
+                field, _, value = whole.partition(b":")
                 value = value[1:] if value.startswith(b" ") else value
                 if field == b"data":
                     data.append(value)
+                    held += len(value) + 1
                 elif field == b"event":
                     event = value.decode("utf-8", "replace")
-        if not chunk:
+            if held > REPLY_CAP:   # an event of many lines, each of them short
+                raise too_long()
+        if ended:
             return
+
+
+def too_long() -> Fatal:
+    """The error for a reply, or a line or event of a stream, longer than REPLY_CAP."""
+    # A Fatal, not a Retry: no model writes that much in one piece (a long answer streams as
+    # many small events), so the server or a proxy before it is broken, and asking again
+    # would only fetch the same flood once more.
+    return Fatal(f"the server sent over {human_size(REPLY_CAP)} in one reply or one streamed "
+                 f"event; no reply is that long, so the server (or a proxy before it) is broken")
 
 
 def read_stream(session, response) -> dict:
@@ -2197,17 +2266,16 @@ def read_stream(session, response) -> dict:
     cfg, show = session.cfg, session.show or (lambda kind, text: None)
     text, reasoning, calls, finish, done, extra = [], [], {}, None, False, {}
     for event, data in sse_events(response):
+        data = redact(cfg, data)   # before it is quoted or cut, as in exchange()
         if data.strip() == "[DONE]":
             done = True
             break
         if not data.strip():   # an empty event: nothing to read in it
             continue
-        try:
-            chunk = json.loads(data)
-        except (ValueError, RecursionError):
-            chunk = None
+        chunk = server_json(data)
         if not isinstance(chunk, dict):
-            raise Retry(f"a streamed event is not a JSON object: {data[:120]!r}")
+            raise Retry(f"a streamed event is not a JSON object (or is nested over "
+                        f"{NESTING_CAP} levels deep): {data[:120]!r}")
         message = error_message(chunk)
         if event == "error" or message is not None:   # an error after the HTTP 200
             raise server_error(cfg, 200, {}, chunk, data.encode(), message or data[:300])
@@ -2296,7 +2364,8 @@ def normalise(session, data) -> Reply:
     """The assistant message of a reply, reshaped so every server accepts it back."""
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise Fatal(f"the model's reply has no choices: {json.dumps(data)[:160]}")
+        raise Fatal(f"the model's reply has no choices: "
+                    f"{redact(session.cfg, json.dumps(data))[:160]}")
     choice = choices[0]
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))

@@ -1892,6 +1892,156 @@ class ContextTest(unittest.TestCase):
                              agent.CONTEXT)
 
 
+class Trickle:
+    """A streamed response whose bytes come a few at a time, as read1 hands them out."""
+
+    def __init__(self, data, size):
+        self.data, self.size, self.sent = data, size, 0   # sent: bytes handed out so far
+
+    def read1(self, n):
+        piece = self.data[self.sent:self.sent + min(n, self.size)]
+        self.sent += len(piece)
+        return piece
+
+
+class RedirectingHandler(CannedHandler):
+    """Answers a GET as a moved server does: with a redirect to server.elsewhere."""
+
+    def do_GET(self):
+        self.server.requests.append({"method": "GET", "path": self.path,
+                                     "headers": dict(self.headers), "body": None})
+        self.send(302, b"", {"Location": self.server.elsewhere + self.path})
+
+
+class GarbledHandler(CannedHandler):
+    """Answers a POST with server.garbled, bytes that are not HTTP at all."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.requests.append({"method": "POST", "path": self.path,
+                                     "headers": dict(self.headers), "body": {}})
+        self.wfile.write(self.server.garbled)
+        self.close_connection = True
+
+
+class ServerTrustTest(unittest.TestCase):
+    """A broken or hostile server costs bounded time and memory, and learns nothing."""
+
+    def test_a_long_line_arriving_in_pieces_is_read_in_linear_time(self):
+        """One 2 MB data line in 1 KB reads is parsed in one pass, not re-split on every read
+        (which took seconds of CPU); a \\r\\n split across reads is still one line end."""
+        line = b"data: " + b"x" * ((2 << 20) - 7) + b"\r"   # the \r ends a read: 2 MB
+        stream = Trickle(line + b"\n\r\ndata: two\n\n", 1024)
+        start = time.process_time()
+        events = list(agent.sse_events(stream))
+        self.assertLess(time.process_time() - start, 1.0)
+        self.assertEqual([(e, len(d)) for e, d in events],
+                         [("message", (2 << 20) - 7), ("message", 3)])
+
+    def test_a_line_or_event_past_the_cap_is_refused_unread(self):
+        """A line, or an event of many lines, longer than REPLY_CAP ends the request with one
+        clear line, before the rest is read; a whole reply that long too (and a GET /models
+        is no answer). None is retried."""
+        cap = 256 << 10
+        with unittest.mock.patch.object(agent, "REPLY_CAP", cap):
+            for data in (b"data: " + b"x" * (4 * cap),                      # one endless line
+                         (b"data: " + b"y" * 1000 + b"\n") * (4 * cap // 1000)):   # one event
+                stream = Trickle(data, 4096)
+                with self.assertRaises(agent.Fatal) as caught:
+                    list(agent.sse_events(stream))
+                self.assertLess(stream.sent, cap + 65536)
+                self.assertIn("the server sent over 256.0 KB", str(caught.exception))
+            for step in ({"sse": [b"data: " + b"z" * (2 * cap) + b"\n\n"]},
+                         {"raw": b"z" * (2 * cap)}):
+                run = run_agent([step, reply("never asked for")])
+                self.assertIsInstance(run.answer, agent.Fatal)
+                self.assertIn("the server sent over 256.0 KB", str(run.answer))
+                self.assertEqual(len(run.bodies), 1)
+                assert_valid(self, run.session.messages)
+            with CannedServer([], models=["m" * (2 * cap)]) as server:   # GET /models too
+                session = agent.new_session(agent.load_config(
+                    ["--url", server.url, "--root", WORK], {}))
+                self.assertEqual(agent.pick_model(session), "default")
+
+    def test_no_redirect_is_followed_so_the_key_stays_home(self):
+        """A redirect, of the chat request or of GET /models or /props, is not followed: the
+        server it points to (another origin) never hears the key, and the user is told, once,
+        where it pointed."""
+        key = "sk-redirect-secret"
+        with CannedServer([reply("from elsewhere")] * 5) as other:
+            elsewhere = other.url + "/chat/completions"
+            for status in (301, 302, 303, 307, 308):
+                with self.subTest(status=status), CannedServer(
+                        [{"status": status, "headers": {"Location": elsewhere}}]) as server:
+                    server.RequestHandlerClass, server.elsewhere = RedirectingHandler, other.url
+                    session = agent.new_session(agent.load_config(   # no model: GET /models
+                        ["--url", server.url, "--root", WORK], {"LLM_API_KEY": key}))
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        with self.assertRaises(agent.Fatal) as caught:
+                            agent.run_turn(session, "q")
+                    self.assertIn("(HTTP %d) to %s" % (status, elsewhere), str(caught.exception))
+                    self.assertIn("set LLM_URL", str(caught.exception))
+                    self.assertEqual([(r["method"], r["path"]) for r in server.requests],
+                                     [("GET", "/props"), ("GET", "/v1/models"),
+                                      ("POST", "/v1/chat/completions")])
+                    self.assertEqual(server.requests[-1]["headers"]["Authorization"],
+                                     "Bearer " + key)
+            self.assertEqual(other.requests, [])
+
+    def test_a_key_echoed_in_a_broken_reply_is_never_shown(self):
+        """A key the server echoes in a body that is not JSON, in one with no choices, in a
+        streamed event that is not an object, or in a status line that is not HTTP reaches
+        neither stderr nor --json nor the saved session: nor does its start, where a quote of
+        the first 120 bytes would cut it."""
+        key = "sk-echoed-0123456789abcdef"
+        fast = unittest.mock.patch.object(agent, "RETRY_BASE", 0.001)   # 12 retries in all
+        for echo in ({"raw": b"<html>" + b"." * 106 + key.encode()},
+                     {"raw": json.dumps({"object": "chat.completion", "echo": key}).encode()},
+                     {"sse": [b"data: " + b"." * 110 + key.encode() + b"\n\n"]},
+                     {"garbled": b"XTTP/1.1 200 " + key.encode() + b"\r\n\r\n"}):
+            with self.subTest(echo=echo), CannedServer([echo] * 4) as server, fast:
+                if "garbled" in echo:
+                    server.RequestHandlerClass, server.garbled = GarbledHandler, echo["garbled"]
+                session = agent.start_session(config(server.url, "--json", LLM_API_KEY=key,
+                                                     XDG_STATE_HOME=STATE))
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    self.assertEqual(agent.one_shot(session, "q"), 1)
+                with open(session.path, encoding="utf-8") as f:
+                    saved = f.read()
+                error = json.loads(out.getvalue())["error"]
+                self.assertIn("(gave up after 4 attempts)", error)
+                self.assertIn("***", error)
+                self.assertEqual(err.getvalue().count("***"), 3)   # in each retry's line
+                for shown in (err.getvalue(), out.getvalue(), saved):
+                    self.assertNotIn(key[:8], shown)
+
+    def test_odd_numbers_and_deep_nesting_are_malformed_not_a_crash(self):
+        """Token counts such as "²" or "١٢" (digits to str.isdigit, not to int) count as none;
+        a reply nested 600 deep, whole or streamed, is asked for again like any other
+        malformed reply. Neither ends the turn with an internal error."""
+        for value, expected in (("5", 5), (5, 5), ("²", 0), ("١٢", 0), ("9" * 5000, 0),
+                                (-3, 0), (True, 0), (5.0, 0), (" 5", 0), (None, 0)):
+            self.assertEqual(agent.to_int(value), expected, value)
+        odd = {"prompt_tokens": "²", "completion_tokens": "١٢",
+               "prompt_tokens_details": {"cached_tokens": "9" * 5000}}
+        for flags in ([], ["--no-stream"]):
+            run = run_agent([dict(reply("ok"), extra={"usage": odd})], "q", "-v", *flags)
+            self.assertEqual(run.answer, "ok")
+            self.assertIn("[0 prompt tokens, 0 cached, 0 generated,", run.stderr)
+            assert_valid(self, run.session.messages)
+        deep = b"[" * 600 + b'"x"' + b"]" * 600
+        whole = b'{"choices": [{"message": {"role": "assistant", "content": %s}}]}' % deep
+        streamed = [b'data: {"choices": [{"index": 0, "delta": {"content": "deep"}, '
+                    b'"finish_reason": "stop"}], "usage": %s}\n\n' % deep, b"data: [DONE]\n\n"]
+        for step in ({"raw": whole}, {"sse": streamed}):
+            run = run_agent([step, reply("fine")])
+            self.assertEqual(run.answer, "fine")
+            self.assertIn("nested over 100 levels deep", run.stderr)
+            self.assertEqual(len(run.bodies), 2)
+            assert_valid(self, run.session.messages)
+
+
 # ----------------------------------------------------------------------------------------------
 # 7. The loop
 # ----------------------------------------------------------------------------------------------
