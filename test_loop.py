@@ -439,8 +439,8 @@ class GitTrustTest(unittest.TestCase):
             f.write("[core]\n\tbare = false\n\tworktree = %s\n" % ("." if bare else ".."))
         up = os.path.relpath(self.root, os.path.join(self.root, folder))
         with open(os.path.join(git, "index"), "wb") as f:
-            f.write(git_index(os.path.join(up, self.escape), "/etc/hostname", ".git/config",
-                              "ok.txt"))
+            f.write(git_index(os.path.normpath(os.path.join(up, self.escape)), "/etc/hostname",
+                              ".git/config", "ok.txt"))
         with open(os.path.join(self.root, folder, "ok.txt"), "w") as f:
             f.write("the secret is not here\n")
 
@@ -464,9 +464,14 @@ class GitTrustTest(unittest.TestCase):
         self.assertIn("nested/ok.txt", listed)
 
     def test_git_finds_no_bare_repository_in_plain_files(self):
-        """A folder that looks like a bare repository is just a folder to git_files."""
+        """A folder that looks like a bare repository is just a folder to git_files, and so
+        is a workspace that is one at its top (a downloaded ZIP)."""
         self.hostile("sub", bare=True)
         self.assertNotIn(self.escape, agent.git_files(os.path.join(self.root, "sub")) or [])
+        self.hostile(".", bare=True)
+        self.assertIsNone(agent.git_files(self.root))
+        found = agent.execute(self.cfg, "search", json.dumps({"pattern": r"secret(?= )"}))
+        self.assertNotIn("TODO", found)
         self.assertFalse(agent.plain_name("../x") or agent.plain_name("/etc/passwd") or
                          agent.plain_name("a/../../x") or agent.plain_name(".git/config"))
         self.assertTrue(agent.plain_name("a/b.txt") and agent.plain_name("nested/"))
