@@ -265,7 +265,7 @@ def load_config(argv=None, environ=None) -> Config:
     state = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     api_key = env.get("LLM_API_KEY") or env.get("OPENAI_API_KEY") or ""
     mcp, mcp_problem = mcp_servers(root, args.mcp, env)
-    return Config(
+    cfg = Config(
         url=url,
         model=pick(args.model, "LLM_MODEL", "OPENAI_MODEL").strip(),
         api_key=api_key,
@@ -295,8 +295,47 @@ def load_config(argv=None, environ=None) -> Config:
         stream=not args.no_stream and env_flag(env.get("LLM_STREAM", "1")),
         verbose=args.verbose,
         shell_env={k: v for k, v in env.items()   # commands never see the API key
-                   if k not in ("LLM_API_KEY", "OPENAI_API_KEY") and v != (api_key or None)},
+                   if k not in KEY_VARIABLES and v != (api_key or None)},
     )
+    if environ is None and api_key:   # this process's own environment, not a test's dict
+        hide_key(api_key)
+    return cfg
+
+
+# A command the user allows runs as the user, and may read its parents' environments in
+# /proc/PID/environ (a repository's conftest.py that walks up from its own process, say). So,
+# once it is read, the key is wiped from this process's environment.
+
+KEY_VARIABLES = ("LLM_API_KEY", "OPENAI_API_KEY")
+PR_SET_DUMPABLE = 4   # from <linux/prctl.h>
+
+
+def hide_key(api_key):
+    """Wipe the API key from this process's environment, where its commands could read it."""
+    secret = os.fsencode(api_key) if api_key else None
+    # subtle: /proc/PID/environ shows the NAME=value strings the process started with, which
+    # del os.environ[...] (unsetenv) leaves in place: zero their values where libc's environ
+    # points, before unsetenv takes the pointers away
+    try:
+        entries = ctypes.POINTER(ctypes.c_void_p).in_dll(ctypes.CDLL(None), "environ")
+        for i in itertools.count():
+            if not entries[i]:
+                break
+            name, _, value = ctypes.string_at(entries[i]).partition(b"=")
+            if name.decode("latin-1") in KEY_VARIABLES or (value and value == secret):
+                ctypes.memset(entries[i] + len(name) + 1, 0, len(value))
+    except (OSError, TypeError, ValueError, AttributeError):
+        pass   # no C library to reach (Windows), or no environ in it: os.environ is all
+    # os.environ: what child processes inherit when no environment is given them
+    for name in [k for k, v in os.environ.items() if k in KEY_VARIABLES or
+                 (api_key and v == api_key)]:
+        del os.environ[name]
+    # undumpable: the user's other processes may no longer read this one's memory, where the
+    # key lives on (/proc/PID/mem, ptrace, a core dump), nor its environment. Root still may.
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, TypeError, AttributeError):
+        pass   # not Linux
 
 
 def mcp_servers(root, files, env) -> tuple:

@@ -2176,6 +2176,51 @@ class ScriptOutputTest(unittest.TestCase):
         self.assertIn("seconds", traced[1])
 
 
+# What a command the user allows, or a model that talks the user into one, must not get: the
+# key from a parent's environment, a process that outlives the command, a transcript broken
+# by a double Ctrl+C.
+KEY_WALKER = r'''
+import os, sys
+keys, agent = open(sys.argv[1], "rb").read().split(), os.fsencode(sys.argv[2])
+pid, seen, found = os.getpid(), 0, []
+while pid > 0:   # up the parents, as a conftest.py could, reading each one's environment
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            environment = f.read()
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            seen += f.read().split(b"\0")[1:2] == [agent]
+        found += [pid for key in keys if key in environment]
+    except OSError:
+        pass
+    with open("/proc/%d/stat" % pid, "rb") as f:
+        pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+print("agent.py read: %d; key found in: %s" % (seen, found))
+'''
+
+
+@unittest.skipUnless(os.path.isdir("/proc/self"), "needs Linux's /proc")
+class ProcessTrustTest(unittest.TestCase):
+
+    def test_commands_cannot_read_the_key_from_their_parents(self):
+        """The API key is in no parent's environment: a command walking up /proc reads every
+        one, agent.py's included, and finds neither LLM_API_KEY's nor OPENAI_API_KEY's."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        keys = ["sk-%032x" % random.getrandbits(128) for _ in range(2)]
+        with open(os.path.join(folder, "keys"), "w") as f:
+            f.write("\n".join(keys))
+        with open(os.path.join(folder, "walk.py"), "w") as f:
+            f.write(KEY_WALKER)
+        command = "%s %s %s %s" % (sys.executable, f.name, os.path.join(folder, "keys"), AGENT)
+        with CannedServer([calls(tool_call("run_shell", command=command)),
+                           reply("done")]) as server:
+            code, out, err = cli(["--yes", "q"], url=server.url,
+                                 env={"LLM_API_KEY": keys[0], "OPENAI_API_KEY": keys[1]})
+            result = server.bodies()[-1]["messages"][-1]["content"]
+            authorization = [r["headers"].get("Authorization") for r in server.requests]
+        self.assertEqual((code, out), (0, "done\n"), err)
+        self.assertEqual(result, "exit code 0\nagent.py read: 1; key found in: []\n")
+        self.assertEqual(set(authorization), {"Bearer " + keys[0]})   # the server still gets it
+
 
 # ----------------------------------------------------------------------------------------------
 # 8. The terminal
