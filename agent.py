@@ -1501,7 +1501,11 @@ def run_command(cfg, command, timeout) -> str:
                 except subprocess.TimeoutExpired:
                     pass
         finally:
-            kill_tree(process, born)
+            try:
+                kill_tree(process, born)
+            except KeyboardInterrupt:   # subtle: a second Ctrl+C, landed before the kill held it
+                kill_tree(process, born)
+                raise
         code = process.returncode
         status = (f"{stopped}; the command and all it started were killed" if stopped else
                   f"killed by signal {-code}" if code < 0 else f"exit code {code}")
@@ -1510,37 +1514,95 @@ def run_command(cfg, command, timeout) -> str:
 
 
 def kill_tree(process, born):
-    """Kill a process, its group, and the processes it set loose (found since born)."""
+    """Kill a process, its group, and the processes it set loose (found since born); a Ctrl+C
+    meanwhile waits until they are dead, then goes on as usual."""
     def reap_all():
         """Collect the process and the strays adopted here: a zombie still counts as a
         member of its group, and would keep the group 'alive' until reaped."""
         process.poll()
         for pid, _ in find_strays(born):
             reap(pid)
-    kill_group(process.pid, reap_all)
-    process.wait()
-    for _ in range(3):   # strays may leave strays of their own
-        for pid, group in find_strays(born):
-            kill_group(group, lambda pid=pid: reap(pid))
-            reap(pid)
+
+    def kill():
+        """The group, then strays, which may leave strays of their own or start more as they
+        die: sweep until a pass finds none (or STRAY_SWEEPS have not sufficed)."""
+        kill_groups([process.pid], reap_all)
+        process.wait()
+        for _ in range(STRAY_SWEEPS):
+            strays = find_strays(born)
+            if not strays:
+                break
+            kill_groups({group for _, group in strays}, lambda: [reap(p) for p, _ in strays])
+    uninterrupted(kill)
 
 
-def kill_group(group, reap_ours):
-    """Stop a process group: SIGTERM, a second's grace, then SIGKILL. reap_ours() collects
-    the ones that were our children, so they stop counting as alive."""
+def kill_groups(groups, reap_ours):
+    """Stop process groups, all at once: SIGTERM, a second's grace, then SIGKILL to those
+    left. reap_ours() collects the ones that were our children, so they stop counting as
+    alive."""
     for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.5)):
-        try:
-            os.killpg(group, sig)
-        except (ProcessLookupError, PermissionError):
-            return   # the group is gone
+        groups = [g for g in groups if signal_group(g, sig)]
         end = time.monotonic() + grace
-        while time.monotonic() < end:
+        while groups and time.monotonic() < end:
             reap_ours()
+            groups = [g for g in groups if signal_group(g, 0)]
+            if groups:
+                time.sleep(0.02)
+        if not groups:
+            return
+
+
+def signal_group(group, sig) -> bool:
+    """Send sig to a process group (0: none, just look); False if the group is gone."""
+    try:
+        os.killpg(group, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+# Ctrl+C raises KeyboardInterrupt wherever the main thread happens to be. Some work must not be
+# cut short by it, or what it tidies up stays a mess: killing what a command started (a child
+# that ignores SIGTERM would live on) and settling the transcript after an interruption (a call
+# would stay unanswered). That work runs with Ctrl+C held back, and the SIGTERM and SIGHUP that
+# main() turns into one; the first that came is let through once the work is done.
+
+INTERRUPTS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP")
+                                                 else [])
+
+
+def uninterrupted(work):
+    """Run work() to its end even if Ctrl+C comes meanwhile; then raise what came. work must
+    be safe to run again: an interrupt that lands before it is held back starts it over."""
+    came, previous, done = [], {}, []
+
+    def hold(signum, frame):
+        """An interrupt while the work runs: kept for later."""
+        if done:   # subtle: it came between two of the restores below: pass it on now
+            return previous[signum](signum, frame)
+        came.append(signum)
+    try:
+        for attempt in range(3):   # a work that raises KeyboardInterrupt itself is not looped
             try:
-                os.killpg(group, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.02)
+                if threading.current_thread() is threading.main_thread():   # signals go there
+                    for signum in INTERRUPTS:
+                        handler = signal.getsignal(signum)
+                        if callable(handler) and handler is not hold:
+                            previous[signum] = handler
+                            signal.signal(signum, hold)
+                result = work()
+                break
+            except KeyboardInterrupt:
+                came.append(signal.SIGINT)
+                if attempt == 2:
+                    raise
+    finally:
+        done.append(True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if came:
+        previous.get(came[0], signal.default_int_handler)(came[0], None)
+    return result
 
 
 # A command can put a process out of its group's reach (setsid, `set -m`, a daemon that forks
@@ -1548,6 +1610,7 @@ def kill_group(group, reap_ours):
 # once its parent dies, is re-parented here instead of to init, and can still be found.
 
 PR_SET_CHILD_SUBREAPER = 36   # from <linux/prctl.h>
+STRAY_SWEEPS = 10     # passes over /proc for strays after a command, each for what the last missed
 
 
 def adopt_orphans():
@@ -1575,13 +1638,19 @@ def start_time(pid) -> int:
 
 
 def find_strays(born) -> list:
-    """(pid, group) of the processes adopted here, started since born, outside our own group."""
-    me, ours, found = os.getpid(), os.getpgrp(), []
+    """(pid, group) of the processes adopted here, started since born, outside our own group,
+    and of all they started in turn, however deep: parents first."""
+    me, ours, children = os.getpid(), os.getpgrp(), collections.defaultdict(list)
     for entry in os.listdir("/proc") if born and os.path.isdir("/proc") else []:
         fields = stat_fields(entry) if entry.isdigit() else []
-        if len(fields) > 19 and int(fields[1]) == me and int(fields[2]) != ours and \
-                int(fields[19]) >= born:
-            found.append((int(entry), int(fields[2])))
+        if len(fields) > 19:   # parent -> [(pid, group, start time)]
+            children[int(fields[1])].append((int(entry), int(fields[2]), int(fields[19])))
+    found, parents = [], [me]
+    for parent in parents:   # subtle: grows as it goes, one generation after another
+        for pid, group, started in children.pop(parent, []):
+            if group != ours and started >= born:
+                found.append((pid, group))
+                parents.append(pid)
     return found
 
 

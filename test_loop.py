@@ -2201,6 +2201,25 @@ print("agent.py read: %d; key found in: %s" % (seen, found))
 @unittest.skipUnless(os.path.isdir("/proc/self"), "needs Linux's /proc")
 class ProcessTrustTest(unittest.TestCase):
 
+    def alive(self, pids):
+        """Those of pids still there, zombies included (a zombie has not been reaped)."""
+        return [p for p in pids if os.path.exists("/proc/%d" % p)]
+
+    def read_pids(self, path):
+        """The process ids a command wrote to path, one or more a line."""
+        with open(path) as f:
+            return [int(p) for p in f.read().split()]
+
+    def kill_afterwards(self, path):
+        """Kill what a failed test left alive (the pids written to path)."""
+        def kill():
+            for pid in self.alive(self.read_pids(path)) if os.path.exists(path) else []:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.waitpid(pid, os.WNOHANG)
+        self.addCleanup(kill)
+
     def test_commands_cannot_read_the_key_from_their_parents(self):
         """The API key is in no parent's environment: a command walking up /proc reads every
         one, agent.py's included, and finds neither LLM_API_KEY's nor OPENAI_API_KEY's."""
@@ -2220,6 +2239,50 @@ class ProcessTrustTest(unittest.TestCase):
         self.assertEqual((code, out), (0, "done\n"), err)
         self.assertEqual(result, "exit code 0\nagent.py read: 1; key found in: []\n")
         self.assertEqual(set(authorization), {"Bearer " + keys[0]})   # the server still gets it
+
+    def test_a_chain_of_daemons_dies_to_its_end(self):
+        """Daemons that start daemons, six deep, each in a session of its own, all die with
+        the command that started them, and are reaped."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        pids, chain = os.path.join(folder, "pids"), os.path.join(folder, "chain.sh")
+        with open(chain, "w") as f:
+            f.write('echo $$ >> %s\nif [ "$1" -gt 1 ]; then setsid sh %s $(($1 - 1)) & fi\n'
+                    'exec sleep %.4f\n' % (pids, chain, 500 + random.random()))
+        self.kill_afterwards(pids)
+        result = execute("run_shell", command='setsid sh %s 6 & while [ "$(cat %s 2>/dev/null '
+                         '| wc -l)" -lt 6 ]; do sleep 0.01; done' % (chain, pids))
+        self.assertEqual(result, "exit code 0 (no output)")
+        self.assertEqual(len(self.read_pids(pids)), 6)
+        self.assertEqual(self.alive(self.read_pids(pids)), [])
+
+    def test_a_second_ctrl_c_does_not_stop_the_kill(self):
+        """Ctrl+C stops a command; a second one during the grace it gets before SIGKILL does
+        not stop the kill: a child that ignores SIGTERM dies too, then the interrupt goes on."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        pids = os.path.join(folder, "pids")
+        self.kill_afterwards(pids)
+        command = "trap '' TERM; sleep %.4f & echo $$ $! > %s.new; mv %s.new %s; wait" % (
+            600 + random.random(), pids, pids, pids)
+
+        def first_ctrl_c():
+            """Once the command runs, Ctrl+C, as the terminal sends it to agent.py."""
+            while not os.path.exists(pids):
+                time.sleep(0.01)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        second, real_find_strays = [], agent.find_strays
+
+        def find_strays(born):
+            """Called while the command has its grace: the second Ctrl+C comes here."""
+            if not second:
+                second.append(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+            return real_find_strays(born)
+        threading.Thread(target=first_ctrl_c, daemon=True).start()
+        with unittest.mock.patch.object(agent, "find_strays", find_strays):
+            with self.assertRaises(KeyboardInterrupt):
+                agent.run_command(CFG, command, 60)
+        self.assertEqual(second, [signal.SIGINT])
+        self.assertEqual(self.alive(self.read_pids(pids)), [])
 
 
 # ----------------------------------------------------------------------------------------------
