@@ -2665,6 +2665,8 @@ def count_usage(session, data, sent, seconds):
 def run_turn(session, question) -> str:
     """Answer one user message: ask, run the tools the model calls, repeat until it answers."""
     messages, session.interrupted = session.messages, False
+    if len(messages) > 1:   # subtle: a Ctrl+C may have come before the last turn could settle
+        settle(messages, "[interrupted by the user]")
     messages.append({"role": "user", "content": question})
     why = "max_turns"
     try:
@@ -2694,8 +2696,13 @@ def run_turn(session, question) -> str:
         return final_answer(session, why)
     except KeyboardInterrupt:
         session.exit_reason, session.interrupted = "interrupted", True
-        settle(messages, "[interrupted by the user]")
-        save(session)
+        # subtle: a double tap on Ctrl+C must not cut this short, or a call stays unanswered,
+        # here and on disk, and strict servers refuse every request after it. The second
+        # waits while it runs; should it land as it begins, it begins again.
+        try:
+            uninterrupted(lambda: (settle(messages, "[interrupted by the user]"), save(session)))
+        except KeyboardInterrupt:
+            uninterrupted(lambda: (settle(messages, "[interrupted by the user]"), save(session)))
         raise
     except Exception as e:   # Fatal, or a fault of this program: the transcript stays valid
         session.exit_reason = "error"
@@ -3073,10 +3080,10 @@ def run_task(session, description, prompt) -> str:
 # 22. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
-# under the user's state directory, grouped by workspace. A crash or Ctrl+C loses at most the
-# message being written. --continue picks up the latest session of this workspace, --resume ID
-# a given one; a transcript read back is repaired before it is sent (today's system prompt,
-# every tool call answered), since it may have stopped anywhere.
+# under the user's state directory, grouped by workspace. A crash loses at most the message
+# being written (Ctrl+C waits for it). --continue picks up the latest session of this
+# workspace, --resume ID a given one; a transcript read back is repaired before it is sent
+# (today's system prompt, every tool call answered), since it may have stopped anywhere.
 
 def sessions_dir(cfg) -> str:
     """The folder that holds this workspace's sessions."""
@@ -3087,17 +3094,20 @@ def sessions_dir(cfg) -> str:
 
 def save(session, whole=False):
     """Write the messages not yet saved, one JSON line each; all of them if whole."""
-    if not session.path:
-        return
-    if whole or session.saved > len(session.messages):   # a compaction rewrote the transcript
-        temporary = session.path + ".new"
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(m) + "\n" for m in session.messages)
-        os.replace(temporary, session.path)
-    else:
-        with open(session.path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(m) + "\n" for m in session.messages[session.saved:])
-    session.saved = len(session.messages)
+    def write():
+        """The writing, which Ctrl+C must not cut in two: a torn line, or one written twice
+        when it lands before session.saved has counted it."""
+        if whole or session.saved > len(session.messages):   # a compaction rewrote it all
+            temporary = session.path + ".new"
+            with open(temporary, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(m) + "\n" for m in session.messages)
+            os.replace(temporary, session.path)
+        else:
+            with open(session.path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(m) + "\n" for m in session.messages[session.saved:])
+        session.saved = len(session.messages)
+    if session.path:
+        uninterrupted(write)
 
 
 def start_saving(session):
@@ -3432,7 +3442,10 @@ def repl(session) -> int:
                     print(printable(answer), flush=True)
                 ran = []
         except KeyboardInterrupt:
-            session.say("\n(interrupted; the conversation is kept)", YELLOW)
+            try:
+                session.say("\n(interrupted; the conversation is kept)", YELLOW)
+            except KeyboardInterrupt:
+                pass   # subtle: the second of a double tap, landing here: the same request
         except Fatal as e:
             session.say(f"agent: {e}", RED)
         except OSError as e:   # a !command in a workspace that has vanished, say

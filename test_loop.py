@@ -2284,6 +2284,66 @@ class ProcessTrustTest(unittest.TestCase):
         self.assertEqual(second, [signal.SIGINT])
         self.assertEqual(self.alive(self.read_pids(pids)), [])
 
+    def test_a_double_ctrl_c_still_settles_the_transcript(self):
+        """A second Ctrl+C while an interrupted turn is settled and saved (a double tap on a
+        slow tool) does not stop it: every call is answered in memory and on disk, and the
+        session goes on."""
+        def slow_tool(root, **args):
+            """The first Ctrl+C, while the tool runs."""
+            raise KeyboardInterrupt
+        state = tempfile.mkdtemp(dir=STATE)
+        for second_in in ("settle", "save", "uninterrupted"):   # the last: as settling begins
+            with self.subTest(second_in=second_in):
+                real, taps, seen = getattr(agent, second_in, None), [], []
+
+                def tap(*args, **kwargs):
+                    """The settling has begun: the second Ctrl+C, a real SIGINT, comes now."""
+                    if session.interrupted and not taps:
+                        taps.append(signal.SIGINT)
+                        signal.raise_signal(signal.SIGINT)
+                    return real(*args, **kwargs)
+
+                def typed(prompt):
+                    """The user's lines; before the second, what the first turn left."""
+                    if len(seen) == 1:
+                        with open(session.path, encoding="utf-8") as f:
+                            seen.append((list(session.messages), [json.loads(x) for x in f]))
+                    seen.append(prompt)
+                    return ["q", "again", "/quit"][len(seen) // 2]
+                script = [calls(tool_call("search", pattern="x"), tool_call("list_dir")),
+                          reply("next answer")]
+                with CannedServer(script) as server, \
+                        unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"search": slow_tool}), \
+                        unittest.mock.patch.object(agent, second_in, tap, create=True), \
+                        unittest.mock.patch("builtins.input", typed), \
+                        contextlib.redirect_stderr(io.StringIO()) as err, \
+                        contextlib.redirect_stdout(io.StringIO()) as out:
+                    session = agent.new_session(config(server.url, XDG_STATE_HOME=state))
+                    agent.start_saving(session)
+                    self.assertEqual(agent.repl(session), 0)
+                    sent = server.bodies()[-1]["messages"]
+                self.assertEqual(taps, [signal.SIGINT])
+                in_memory, on_disk = seen[1]
+                assert_valid(self, in_memory)
+                assert_valid(self, on_disk)
+                self.assertEqual(in_memory, on_disk)
+                self.assertIn("interrupted; the conversation is kept", err.getvalue())
+                self.assertEqual(out.getvalue(), "next answer\n")
+                assert_valid(self, sent)
+
+    def test_a_turn_settles_what_an_interruption_left_open(self):
+        """Should a Ctrl+C land even before the settling begins, the next turn answers the
+        open calls and closes the old turn before it asks anything."""
+        with CannedServer([reply("fine")]) as server:
+            session = agent.new_session(config(server.url))
+            session.messages += [{"role": "user", "content": "q"}, calls(tool_call(
+                "list_dir"), tool_call("search", pattern="x"), content="")["message"]]
+            self.assertEqual(run_turn_quietly(session, "again"), "fine")
+            sent = server.bodies()[0]["messages"]
+        assert_valid(self, sent)
+        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "tool",
+                                                     "tool", "assistant", "user"])
+
 
 # ----------------------------------------------------------------------------------------------
 # 8. The terminal
