@@ -272,8 +272,10 @@ def load_config(argv=None, environ=None) -> Config:
         raise UsageError(f"AGENT_ROOT must be a directory, got {root!r}")
     state = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     api_key = env.get("LLM_API_KEY") or env.get("OPENAI_API_KEY") or ""
-    mcp, mcp_problems = mcp_servers(root, args.mcp, env)
-    return Config(
+    shell_env = {k: v for k, v in env.items()   # commands never see the API key
+                 if k not in KEY_VARIABLES and v != (api_key or None)}
+    mcp, mcp_problems = mcp_servers(root, args.mcp, env, shell_env)
+    cfg = Config(
         url=url,
         model=pick(args.model, "LLM_MODEL", "OPENAI_MODEL").strip(),
         api_key=api_key,
@@ -302,15 +304,54 @@ def load_config(argv=None, environ=None) -> Config:
         ripgrep=shutil.which("rg", path=env.get("PATH")) or "",
         stream=not args.no_stream and env_flag(env.get("LLM_STREAM", "1")),
         verbose=args.verbose,
-        shell_env={k: v for k, v in env.items()   # commands never see the API key
-                   if k not in SECRETS and v != (api_key or None)},
+        shell_env=shell_env,
     )
+    if environ is None and api_key:   # this process's own environment, not a test's dict
+        hide_key(api_key)
+    return cfg
 
 
-def mcp_servers(root, files, env) -> tuple:
+# A command the user allows runs as the user, and may read its parents' environments in
+# /proc/PID/environ (a repository's conftest.py that walks up from its own process, say). So,
+# once it is read, the key is wiped from this process's environment.
+
+KEY_VARIABLES = ("LLM_API_KEY", "OPENAI_API_KEY")
+PR_SET_DUMPABLE = 4   # from <linux/prctl.h>
+
+
+def hide_key(api_key):
+    """Wipe the API key from this process's environment, where its commands could read it."""
+    secret = os.fsencode(api_key) if api_key else None
+    # subtle: /proc/PID/environ shows the NAME=value strings the process started with, which
+    # del os.environ[...] (unsetenv) leaves in place: zero their values where libc's environ
+    # points, before unsetenv takes the pointers away
+    try:
+        entries = ctypes.POINTER(ctypes.c_void_p).in_dll(ctypes.CDLL(None), "environ")
+        for i in itertools.count():
+            if not entries[i]:
+                break
+            name, _, value = ctypes.string_at(entries[i]).partition(b"=")
+            if name.decode("latin-1") in KEY_VARIABLES or (value and value == secret):
+                ctypes.memset(entries[i] + len(name) + 1, 0, len(value))
+    except (OSError, TypeError, ValueError, AttributeError):
+        pass   # no C library to reach (Windows), or no environ in it: os.environ is all
+    # os.environ: what child processes inherit when no environment is given them
+    for name in [k for k, v in os.environ.items() if k in KEY_VARIABLES or
+                 (api_key and v == api_key)]:
+        del os.environ[name]
+    # undumpable: the user's other processes may no longer read this one's memory, where the
+    # key lives on (/proc/PID/mem, ptrace, a core dump), nor its environment. Root still may.
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, TypeError, AttributeError):
+        pass   # not Linux
+
+
+def mcp_servers(root, files, env, shell_env) -> tuple:
     """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
-    --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment; and what is
-    wrong, one line each. Each server is judged alone: a bad one is left out, not the file."""
+    --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment (for the
+    workspace's, from shell_env, which has no API key); and what is wrong, one line each.
+    Each server is judged alone: a bad one is left out, not the file."""
     servers, problems = {}, []
     for path, ask in [(os.path.join(root, ".mcp.json"), True)] + [(f, False) for f in files]:
         if ask and not os.path.isfile(path):
@@ -328,7 +369,7 @@ def mcp_servers(root, files, env) -> tuple:
             continue
         # subtle: a file in the workspace is the repository's, not the user's: it does not get
         # to copy the API key into the environment of a program it names
-        known = env if not ask else {k: v for k, v in env.items() if k not in SECRETS}
+        known = shell_env if ask else env
         for name, spec in found.items():
             spec = expand(spec, known)
             if not MCP_NAME.fullmatch(name):   # it is shown in questions: plain letters only
@@ -347,7 +388,6 @@ def mcp_servers(root, files, env) -> tuple:
 
 
 MCP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-SECRETS = ("LLM_API_KEY", "OPENAI_API_KEY")   # never given to a program the agent starts
 
 
 def expand(value, env):
@@ -1534,7 +1574,11 @@ def run_command(cfg, command, timeout) -> str:
                 except subprocess.TimeoutExpired:
                     pass
         finally:
-            kill_tree(process, born)
+            try:
+                kill_tree(process, born)
+            except KeyboardInterrupt:   # subtle: a second Ctrl+C, landed before the kill held it
+                kill_tree(process, born)
+                raise
         code = process.returncode
         status = (f"{stopped}; the command and all it started were killed" if stopped else
                   f"killed by signal {-code}" if code < 0 else f"exit code {code}")
@@ -1543,37 +1587,95 @@ def run_command(cfg, command, timeout) -> str:
 
 
 def kill_tree(process, born):
-    """Kill a process, its group, and the processes it set loose (found since born)."""
+    """Kill a process, its group, and the processes it set loose (found since born); a Ctrl+C
+    meanwhile waits until they are dead, then goes on as usual."""
     def reap_all():
         """Collect the process and the strays adopted here: a zombie still counts as a
         member of its group, and would keep the group 'alive' until reaped."""
         process.poll()
         for pid, _ in find_strays(born):
             reap(pid)
-    kill_group(process.pid, reap_all)
-    process.wait()
-    for _ in range(3):   # strays may leave strays of their own
-        for pid, group in find_strays(born):
-            kill_group(group, lambda pid=pid: reap(pid))
-            reap(pid)
+
+    def kill():
+        """The group, then strays, which may leave strays of their own or start more as they
+        die: sweep until a pass finds none (or STRAY_SWEEPS have not sufficed)."""
+        kill_groups([process.pid], reap_all)
+        process.wait()
+        for _ in range(STRAY_SWEEPS):
+            strays = find_strays(born)
+            if not strays:
+                break
+            kill_groups({group for _, group in strays}, lambda: [reap(p) for p, _ in strays])
+    uninterrupted(kill)
 
 
-def kill_group(group, reap_ours):
-    """Stop a process group: SIGTERM, a second's grace, then SIGKILL. reap_ours() collects
-    the ones that were our children, so they stop counting as alive."""
+def kill_groups(groups, reap_ours):
+    """Stop process groups, all at once: SIGTERM, a second's grace, then SIGKILL to those
+    left. reap_ours() collects the ones that were our children, so they stop counting as
+    alive."""
     for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.5)):
-        try:
-            os.killpg(group, sig)
-        except (ProcessLookupError, PermissionError):
-            return   # the group is gone
+        groups = [g for g in groups if signal_group(g, sig)]
         end = time.monotonic() + grace
-        while time.monotonic() < end:
+        while groups and time.monotonic() < end:
             reap_ours()
+            groups = [g for g in groups if signal_group(g, 0)]
+            if groups:
+                time.sleep(0.02)
+        if not groups:
+            return
+
+
+def signal_group(group, sig) -> bool:
+    """Send sig to a process group (0: none, just look); False if the group is gone."""
+    try:
+        os.killpg(group, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+# Ctrl+C raises KeyboardInterrupt wherever the main thread happens to be. Some work must not be
+# cut short by it, or what it tidies up stays a mess: killing what a command started (a child
+# that ignores SIGTERM would live on) and settling the transcript after an interruption (a call
+# would stay unanswered). That work runs with Ctrl+C held back, and the SIGTERM and SIGHUP that
+# main() turns into one; the first that came is let through once the work is done.
+
+INTERRUPTS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP")
+                                                 else [])
+
+
+def uninterrupted(work):
+    """Run work() to its end even if Ctrl+C comes meanwhile; then raise what came. work must
+    be safe to run again: an interrupt that lands before it is held back starts it over."""
+    came, previous, done = [], {}, []
+
+    def hold(signum, frame):
+        """An interrupt while the work runs: kept for later."""
+        if done:   # subtle: it came between two of the restores below: pass it on now
+            return previous[signum](signum, frame)
+        came.append(signum)
+    try:
+        for attempt in range(3):   # a work that raises KeyboardInterrupt itself is not looped
             try:
-                os.killpg(group, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.02)
+                if threading.current_thread() is threading.main_thread():   # signals go there
+                    for signum in INTERRUPTS:
+                        handler = signal.getsignal(signum)
+                        if callable(handler) and handler is not hold:
+                            previous[signum] = handler
+                            signal.signal(signum, hold)
+                result = work()
+                break
+            except KeyboardInterrupt:
+                came.append(signal.SIGINT)
+                if attempt == 2:
+                    raise
+    finally:
+        done.append(True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if came:
+        previous.get(came[0], signal.default_int_handler)(came[0], None)
+    return result
 
 
 # A command can put a process out of its group's reach (setsid, `set -m`, a daemon that forks
@@ -1581,6 +1683,7 @@ def kill_group(group, reap_ours):
 # once its parent dies, is re-parented here instead of to init, and can still be found.
 
 PR_SET_CHILD_SUBREAPER = 36   # from <linux/prctl.h>
+STRAY_SWEEPS = 10     # passes over /proc for strays after a command, each for what the last missed
 
 
 def adopt_orphans():
@@ -1608,13 +1711,19 @@ def start_time(pid) -> int:
 
 
 def find_strays(born) -> list:
-    """(pid, group) of the processes adopted here, started since born, outside our own group."""
-    me, ours, found = os.getpid(), os.getpgrp(), []
+    """(pid, group) of the processes adopted here, started since born, outside our own group,
+    and of all they started in turn, however deep: parents first."""
+    me, ours, children = os.getpid(), os.getpgrp(), collections.defaultdict(list)
     for entry in os.listdir("/proc") if born and os.path.isdir("/proc") else []:
         fields = stat_fields(entry) if entry.isdigit() else []
-        if len(fields) > 19 and int(fields[1]) == me and int(fields[2]) != ours and \
-                int(fields[19]) >= born:
-            found.append((int(entry), int(fields[2])))
+        if len(fields) > 19:   # parent -> [(pid, group, start time)]
+            children[int(fields[1])].append((int(entry), int(fields[2]), int(fields[19])))
+    found, parents = [], [me]
+    for parent in parents:   # subtle: grows as it goes, one generation after another
+        for pid, group, started in children.pop(parent, []):
+            if group != ours and started >= born:
+                found.append((pid, group))
+                parents.append(pid)
     return found
 
 
@@ -2742,6 +2851,8 @@ def count_usage(session, data, sent, seconds):
 def run_turn(session, question) -> str:
     """Answer one user message: ask, run the tools the model calls, repeat until it answers."""
     messages, session.interrupted = session.messages, False
+    if len(messages) > 1:   # subtle: a Ctrl+C may have come before the last turn could settle
+        settle(messages, "[interrupted by the user]")
     messages.append({"role": "user", "content": question})
     why = "max_turns"
     try:
@@ -2771,8 +2882,13 @@ def run_turn(session, question) -> str:
         return final_answer(session, why)
     except KeyboardInterrupt:
         session.exit_reason, session.interrupted = "interrupted", True
-        settle(messages, "[interrupted by the user]")
-        save(session)
+        # subtle: a double tap on Ctrl+C must not cut this short, or a call stays unanswered,
+        # here and on disk, and strict servers refuse every request after it. The second
+        # waits while it runs; should it land as it begins, it begins again.
+        try:
+            uninterrupted(lambda: (settle(messages, "[interrupted by the user]"), save(session)))
+        except KeyboardInterrupt:
+            uninterrupted(lambda: (settle(messages, "[interrupted by the user]"), save(session)))
         raise
     except Exception as e:   # Fatal, or a fault of this program: the transcript stays valid
         session.exit_reason = "error"
@@ -3171,10 +3287,10 @@ def run_task(session, description, prompt) -> str:
 # 22. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
-# under the user's state directory, grouped by workspace. A crash or Ctrl+C loses at most the
-# message being written. --continue picks up the latest session of this workspace, --resume ID
-# a given one; a transcript read back is repaired before it is sent (today's system prompt,
-# every tool call answered), since it may have stopped anywhere.
+# under the user's state directory, grouped by workspace. A crash loses at most the message
+# being written (Ctrl+C waits for it). --continue picks up the latest session of this
+# workspace, --resume ID a given one; a transcript read back is repaired before it is sent
+# (today's system prompt, every tool call answered), since it may have stopped anywhere.
 
 def sessions_dir(cfg) -> str:
     """The folder that holds this workspace's sessions."""
@@ -3185,17 +3301,20 @@ def sessions_dir(cfg) -> str:
 
 def save(session, whole=False):
     """Write the messages not yet saved, one JSON line each; all of them if whole."""
-    if not session.path:
-        return
-    if whole or session.saved > len(session.messages):   # a compaction rewrote the transcript
-        temporary = session.path + ".new"
-        with private_file(temporary, "w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in session.messages)
-        os.replace(temporary, session.path)
-    else:
-        with private_file(session.path, "a") as f:
-            f.writelines(json.dumps(m) + "\n" for m in session.messages[session.saved:])
-    session.saved = len(session.messages)
+    def write():
+        """The writing, which Ctrl+C must not cut in two: a torn line, or one written twice
+        when it lands before session.saved has counted it."""
+        if whole or session.saved > len(session.messages):   # a compaction rewrote it all
+            temporary = session.path + ".new"
+            with private_file(temporary, "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in session.messages)
+            os.replace(temporary, session.path)
+        else:
+            with private_file(session.path, "a") as f:
+                f.writelines(json.dumps(m) + "\n" for m in session.messages[session.saved:])
+        session.saved = len(session.messages)
+    if session.path:
+        uninterrupted(write)
 
 
 def private_folder(cfg, *parts) -> str:
@@ -3553,7 +3672,10 @@ def repl(session) -> int:
                     print(for_stdout(answer), flush=True)
                 ran = []
         except KeyboardInterrupt:
-            session.say("\n(interrupted; the conversation is kept)", YELLOW)
+            try:
+                session.say("\n(interrupted; the conversation is kept)", YELLOW)
+            except KeyboardInterrupt:
+                pass   # subtle: the second of a double tap, landing here: the same request
         except Fatal as e:
             session.say(f"agent: {e}", RED)
         except OSError as e:   # a !command in a workspace that has vanished, say

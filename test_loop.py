@@ -2617,6 +2617,174 @@ class ScriptOutputTest(unittest.TestCase):
         self.assertIn("seconds", traced[1])
 
 
+# What a command the user allows, or a model that talks the user into one, must not get: the
+# key from a parent's environment, a process that outlives the command, a transcript broken
+# by a double Ctrl+C.
+KEY_WALKER = r'''
+import os, sys
+keys, agent = open(sys.argv[1], "rb").read().split(), os.fsencode(sys.argv[2])
+pid, seen, found = os.getpid(), 0, []
+while pid > 0:   # up the parents, as a conftest.py could, reading each one's environment
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            environment = f.read()
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            seen += f.read().split(b"\0")[1:2] == [agent]
+        found += [pid for key in keys if key in environment]
+    except OSError:
+        pass
+    with open("/proc/%d/stat" % pid, "rb") as f:
+        pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+print("agent.py read: %d; key found in: %s" % (seen, found))
+'''
+
+
+@unittest.skipUnless(os.path.isdir("/proc/self"), "needs Linux's /proc")
+class ProcessTrustTest(unittest.TestCase):
+
+    def alive(self, pids):
+        """Those of pids still there, zombies included (a zombie has not been reaped)."""
+        return [p for p in pids if os.path.exists("/proc/%d" % p)]
+
+    def read_pids(self, path):
+        """The process ids a command wrote to path, one or more a line."""
+        with open(path) as f:
+            return [int(p) for p in f.read().split()]
+
+    def kill_afterwards(self, path):
+        """Kill what a failed test left alive (the pids written to path)."""
+        def kill():
+            for pid in self.alive(self.read_pids(path)) if os.path.exists(path) else []:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.waitpid(pid, os.WNOHANG)
+        self.addCleanup(kill)
+
+    def test_commands_cannot_read_the_key_from_their_parents(self):
+        """The API key is in no parent's environment: a command walking up /proc reads every
+        one, agent.py's included, and finds neither LLM_API_KEY's nor OPENAI_API_KEY's."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        keys = ["sk-%032x" % random.getrandbits(128) for _ in range(2)]
+        with open(os.path.join(folder, "keys"), "w") as f:
+            f.write("\n".join(keys))
+        with open(os.path.join(folder, "walk.py"), "w") as f:
+            f.write(KEY_WALKER)
+        command = "%s %s %s %s" % (sys.executable, f.name, os.path.join(folder, "keys"), AGENT)
+        with CannedServer([calls(tool_call("run_shell", command=command)),
+                           reply("done")]) as server:
+            code, out, err = cli(["--yes", "q"], url=server.url,
+                                 env={"LLM_API_KEY": keys[0], "OPENAI_API_KEY": keys[1]})
+            result = server.bodies()[-1]["messages"][-1]["content"]
+            authorization = [r["headers"].get("Authorization") for r in server.requests]
+        self.assertEqual((code, out), (0, "done\n"), err)
+        self.assertEqual(result, "exit code 0\nagent.py read: 1; key found in: []\n")
+        self.assertEqual(set(authorization), {"Bearer " + keys[0]})   # the server still gets it
+
+    def test_a_chain_of_daemons_dies_to_its_end(self):
+        """Daemons that start daemons, six deep, each in a session of its own, all die with
+        the command that started them, and are reaped."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        pids, chain = os.path.join(folder, "pids"), os.path.join(folder, "chain.sh")
+        with open(chain, "w") as f:
+            f.write('echo $$ >> %s\nif [ "$1" -gt 1 ]; then setsid sh %s $(($1 - 1)) & fi\n'
+                    'exec sleep %.4f\n' % (pids, chain, 500 + random.random()))
+        self.kill_afterwards(pids)
+        result = execute("run_shell", command='setsid sh %s 6 & while [ "$(cat %s 2>/dev/null '
+                         '| wc -l)" -lt 6 ]; do sleep 0.01; done' % (chain, pids))
+        self.assertEqual(result, "exit code 0 (no output)")
+        self.assertEqual(len(self.read_pids(pids)), 6)
+        self.assertEqual(self.alive(self.read_pids(pids)), [])
+
+    def test_a_second_ctrl_c_does_not_stop_the_kill(self):
+        """Ctrl+C stops a command; a second one during the grace it gets before SIGKILL does
+        not stop the kill: a child that ignores SIGTERM dies too, then the interrupt goes on."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        pids = os.path.join(folder, "pids")
+        self.kill_afterwards(pids)
+        command = "trap '' TERM; sleep %.4f & echo $$ $! > %s.new; mv %s.new %s; wait" % (
+            600 + random.random(), pids, pids, pids)
+
+        def first_ctrl_c():
+            """Once the command runs, Ctrl+C, as the terminal sends it to agent.py."""
+            while not os.path.exists(pids):
+                time.sleep(0.01)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        second, real_find_strays = [], agent.find_strays
+
+        def find_strays(born):
+            """Called while the command has its grace: the second Ctrl+C comes here."""
+            if not second:
+                second.append(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+            return real_find_strays(born)
+        threading.Thread(target=first_ctrl_c, daemon=True).start()
+        with unittest.mock.patch.object(agent, "find_strays", find_strays):
+            with self.assertRaises(KeyboardInterrupt):
+                agent.run_command(CFG, command, 60)
+        self.assertEqual(second, [signal.SIGINT])
+        self.assertEqual(self.alive(self.read_pids(pids)), [])
+
+    def test_a_double_ctrl_c_still_settles_the_transcript(self):
+        """A second Ctrl+C while an interrupted turn is settled and saved (a double tap on a
+        slow tool) does not stop it: every call is answered in memory and on disk, and the
+        session goes on."""
+        def slow_tool(root, **args):
+            """The first Ctrl+C, while the tool runs."""
+            raise KeyboardInterrupt
+        state = tempfile.mkdtemp(dir=STATE)
+        for second_in in ("settle", "save", "uninterrupted"):   # the last: as settling begins
+            with self.subTest(second_in=second_in):
+                real, taps, seen = getattr(agent, second_in, None), [], []
+
+                def tap(*args, **kwargs):
+                    """The settling has begun: the second Ctrl+C, a real SIGINT, comes now."""
+                    if session.interrupted and not taps:
+                        taps.append(signal.SIGINT)
+                        signal.raise_signal(signal.SIGINT)
+                    return real(*args, **kwargs)
+
+                def typed(prompt):
+                    """The user's lines; before the second, what the first turn left."""
+                    if len(seen) == 1:
+                        with open(session.path, encoding="utf-8") as f:
+                            seen.append((list(session.messages), [json.loads(x) for x in f]))
+                    seen.append(prompt)
+                    return ["q", "again", "/quit"][len(seen) // 2]
+                script = [calls(tool_call("search", pattern="x"), tool_call("list_dir")),
+                          reply("next answer")]
+                with CannedServer(script) as server, \
+                        unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"search": slow_tool}), \
+                        unittest.mock.patch.object(agent, second_in, tap, create=True), \
+                        unittest.mock.patch("builtins.input", typed), \
+                        contextlib.redirect_stderr(io.StringIO()) as err, \
+                        contextlib.redirect_stdout(io.StringIO()) as out:
+                    session = agent.new_session(config(server.url, XDG_STATE_HOME=state))
+                    agent.start_saving(session)
+                    self.assertEqual(agent.repl(session), 0)
+                    sent = server.bodies()[-1]["messages"]
+                self.assertEqual(taps, [signal.SIGINT])
+                in_memory, on_disk = seen[1]
+                assert_valid(self, in_memory)
+                assert_valid(self, on_disk)
+                self.assertEqual(in_memory, on_disk)
+                self.assertIn("interrupted; the conversation is kept", err.getvalue())
+                self.assertEqual(out.getvalue(), "next answer\n")
+                assert_valid(self, sent)
+
+    def test_a_turn_settles_what_an_interruption_left_open(self):
+        """Should a Ctrl+C land even before the settling begins, the next turn answers the
+        open calls and closes the old turn before it asks anything."""
+        with CannedServer([reply("fine")]) as server:
+            session = agent.new_session(config(server.url))
+            session.messages += [{"role": "user", "content": "q"}, calls(tool_call(
+                "list_dir"), tool_call("search", pattern="x"), content="")["message"]]
+            self.assertEqual(run_turn_quietly(session, "again"), "fine")
+            sent = server.bodies()[0]["messages"]
+        assert_valid(self, sent)
+        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "tool",
+                                                     "tool", "assistant", "user"])
+
 
 # ----------------------------------------------------------------------------------------------
 # 8. The terminal
