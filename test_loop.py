@@ -8,7 +8,8 @@ request. A test scripts the model's replies, runs the real loop, executor and to
 then asserts on two things: what the agent did (its answer, its exit code, what it printed) and
 exactly what it sent (the requests the server received).
 
-Run it: python3 test_loop.py      (or: python3 -m pytest test_loop.py)
+Run it: python3 test_loop.py      (or: python3 -m pytest test_loop.py; section 10 says how it
+runs the tests in several processes at once)
 The tests follow the sections of agent.py: configuration, tools and sandbox, the executor,
 talking to the model, the loop, the terminal, and a seeded fuzz test over all of it.
 """
@@ -3056,5 +3057,69 @@ class FuzzTest(unittest.TestCase):
                     crashes.append((round_, "invalid transcript: %s" % e, script))
         self.assertEqual(crashes[:3], [])
 
+
+# ----------------------------------------------------------------------------------------------
+# 10. Running the suite: one process per core
+# ----------------------------------------------------------------------------------------------
+# Most of the time a test takes is spent waiting: for a subprocess to start, a server to answer,
+# a pseudo-terminal to show something. So `python3 test_loop.py` runs the tests in a few
+# processes at once (one per core, at most 4), each with a workspace of its own. The numbers of
+# the tests wait in a pipe that all of them read from, four bytes at a time, so that a process
+# that is done early takes the next test instead of sitting idle. Naming tests runs just those,
+# in this process, as unittest does; so do pytest and `python3 -m unittest test_loop`.
+
+class Queue(unittest.TestSuite):
+    """The tests this process takes from the shared pipe, one at a time, as it gets to them."""
+    _cleanup = False   # there is no list of tests to let go of as they finish
+
+    def __init__(self, tests, pipe):
+        super().__init__()
+        self.all, self.pipe = tests, pipe
+
+    def __iter__(self):
+        while True:
+            number = os.read(self.pipe, 4)
+            if len(number) < 4:
+                return
+            yield self.all[int.from_bytes(number, "big")]
+
+
+def main():
+    """Run every test, over a few processes; the exit code says whether any failed."""
+    tests = list(flatten(unittest.defaultTestLoader.loadTestsFromModule(sys.modules[__name__])))
+    if sys.argv[1:2] == ["--from-pipe"]:   # one of the processes
+        result = unittest.TextTestRunner(verbosity=1).run(Queue(tests, int(sys.argv[2])))
+        sys.exit(not result.wasSuccessful())
+    if sys.argv[1:]:
+        unittest.main(verbosity=1)
+    count, start = min(os.cpu_count() or 1, 4), time.monotonic()
+    pipe, feed = os.pipe()
+    os.write(feed, b"".join(i.to_bytes(4, "big") for i in range(len(tests))))
+    os.close(feed)
+    workers = [subprocess.Popen([sys.executable, __file__, "--from-pipe", str(pipe)],
+                                pass_fds=(pipe,), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT) for _ in range(count)]
+    os.close(pipe)
+    ran = failed = 0
+    for worker in workers:
+        report = worker.communicate()[0].decode("utf-8", "replace")
+        sys.stdout.write(report)
+        ran += sum(int(n) for n in re.findall(r"^Ran (\d+) tests?", report, re.M))
+        failed += sum(int(n) for n in re.findall(r"(?:failures|errors)=(\d+)", report)) or \
+            bool(worker.returncode)
+    print("\n%d tests in %d processes, %.1f s" % (ran, count, time.monotonic() - start))
+    print("%d passed, %d failed" % (ran - failed, failed))
+    sys.exit(1 if failed or ran < len(tests) else 0)
+
+
+def flatten(suite):
+    """The single tests in a suite of suites, in order."""
+    for item in suite:
+        if isinstance(item, unittest.TestSuite):
+            yield from flatten(item)
+        else:
+            yield item
+
+
 if __name__ == "__main__":
-    unittest.main(verbosity=1)
+    main()
