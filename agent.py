@@ -748,6 +748,13 @@ class TimeLimit:
             signal.signal(signal.SIGALRM, self.previous)
 
     @staticmethod
+    def disarm():
+        """Take back the alarm, if this thread can have one: the tool it was for is over."""
+        if hasattr(signal, "setitimer") and \
+                threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    @staticmethod
     def expire(signum, frame):
         """The alarm went off: stop the tool where it stands."""
         raise_timeout()
@@ -2882,6 +2889,7 @@ def run_turn(session, question) -> str:
         return final_answer(session, why)
     except KeyboardInterrupt:
         session.exit_reason, session.interrupted = "interrupted", True
+        TimeLimit.disarm()   # subtle: a Ctrl+C that landed in TimeLimit.__exit__ left it set
         # subtle: a double tap on Ctrl+C must not cut this short, or a call stays unanswered,
         # here and on disk, and strict servers refuse every request after it. The second
         # waits while it runs; should it land as it begins, it begins again.
@@ -3227,9 +3235,8 @@ def find_program(command, env, cwd) -> str:
 
 
 def stop_mcp(session):
-    """Stop every MCP server this session started."""
-    for server in session.servers:
-        server.stop()
+    """Stop every MCP server this session started; a Ctrl+C meanwhile waits until they are."""
+    uninterrupted(lambda: [server.stop() for server in session.servers])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2578,6 +2578,44 @@ class StateTrustTest(unittest.TestCase):
             os.unlink(path)
 
 
+class InterruptTest(unittest.TestCase):
+    """What a Ctrl+C cuts short is tidied up all the same."""
+
+    def test_a_ctrl_c_in_the_time_limit_leaves_no_alarm(self):
+        """A Ctrl+C that lands as a tool's time limit is being taken back leaves no alarm set
+        to go off later, somewhere else."""
+        self.addCleanup(signal.signal, signal.SIGALRM, signal.getsignal(signal.SIGALRM))
+        self.addCleanup(signal.setitimer, signal.ITIMER_REAL, 0)
+
+        def cut_short(self, *exc):
+            raise KeyboardInterrupt
+        with CannedServer([calls(tool_call("read_file", path="hello.py"))]) as server, \
+                unittest.mock.patch.object(agent.TimeLimit, "__exit__", cut_short):
+            session = agent.new_session(config(server.url))
+            with self.assertRaises(KeyboardInterrupt):
+                run_turn_quietly(session, "q")
+        self.assertEqual(signal.getitimer(signal.ITIMER_REAL)[0], 0)
+        assert_valid(self, session.messages)
+
+    def test_a_ctrl_c_while_mcp_servers_stop_stops_them_all(self):
+        """Ctrl+C while the first MCP server is being stopped still stops the others."""
+        stopped = []
+
+        class Server:
+            def __init__(self, name):
+                self.name = name
+
+            def stop(self):
+                if self.name == "first":
+                    signal.raise_signal(signal.SIGINT)
+                stopped.append(self.name)
+        session = agent.new_session(CFG)
+        session.servers = [Server("first"), Server("second")]
+        with self.assertRaises(KeyboardInterrupt):
+            agent.stop_mcp(session)
+        self.assertEqual(stopped, ["first", "second"])
+
+
 class ScriptOutputTest(unittest.TestCase):
     SCRIPT = [dict(calls(tool_call("list_dir"), tool_call("read_file", path="nope")),
                    extra={"usage": {"prompt_tokens": 50, "completion_tokens": 5}}),
