@@ -64,6 +64,8 @@ Glossary:
 Left out on purpose: images in the conversation, MCP over HTTP, and any sandbox for commands
 beyond the user's approval (a command the user allows can do what the user can).
 """
+from __future__ import annotations
+
 import argparse
 import collections
 import ctypes
