@@ -1,65 +1,59 @@
 #!/usr/bin/env python3
 """agent.py: turn any OpenAI-compatible chat model into a coding agent, in one stdlib-only file.
 
+Every coding agent (Claude Code, opencode, Codex, this one) runs the same loop:
+
+    messages = [system prompt, the user's question]
+    for each round, up to MAX_TURNS:
+        reply = POST /chat/completions {messages, tools}     the model proposes
+        messages.append(reply)
+        if the reply calls no tool:
+            return its text                                   that is the answer
+        for each call in the reply:
+            result = execute(call)                            the program decides
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    out of rounds: ask once more, with tool_choice "none"      an answer all the same
+
+Two ideas make the whole of it:
+  - The transcript is all the state there is. The model remembers nothing from one request
+    to the next: every request carries every message so far, and the program only appends.
+  - The model only proposes calls; the program decides what runs. A tool call is a few words
+    of JSON in a reply: the executor checks them, keeps every path inside the workspace, asks
+    the user before anything changes, and turns every failure into text the model can read.
+
+The five pieces, each one name in this file:
+    a tool-calling endpoint     post_chat()          one POST, retried; the reply made strict
+    tool schemas                TOOLS                what the model may call, described for it
+    a sandboxed executor        execute()            every failure becomes text; resolve()
+                                                     keeps paths inside; approval before change
+    an append-only transcript   Session.messages     appended to by append(), saved as it grows
+    stop conditions             run_turn()           no tool call, MAX_TURNS, a repeated call
+
+How to read it: Part I is the whole agent, the loop and the five pieces, in about 1,000 lines;
+stop at its end and you have seen all of it. Parts II-V are how it survives real tools, real
+servers and real users. `grep -n '^# PART\|^# [0-9]' agent.py` prints the contents:
+    PART I    The agent                 1-9
+    PART II   The tools in full         10-15
+    PART III  Surviving real servers    16-18
+    PART IV   Extensions                19-21
+    PART V    The program around it     22-26
+
 Run it:
     python3 agent.py --demo                          a scripted model walks the loop, offline
     python3 agent.py "where are retries handled?"    one question; the answer on stdout
     git diff | python3 agent.py "review this"        stdin is added to the question
     python3 agent.py                                 an interactive session (on a terminal)
     python3 agent.py --tool search '{"pattern": "def main"}'    run one tool, no model
-
-Environment (a flag wins over its variable; see section 1):
-    LLM_URL         OpenAI-compatible base URL         default http://127.0.0.1:8080/v1
-    LLM_MODEL       model name                         default: the first the server lists
-    LLM_API_KEY     bearer token, never printed        default: none
-    LLM_TIMEOUT     seconds of silence per request     default 300
-    LLM_MAX_TOKENS  cap on each reply, 0 = none        default 4096
-    LLM_STREAM      0: wait for whole replies          default 1
-    AGENT_ROOT      the workspace: tools stay in it    default: the current directory
-    AGENT_CONTEXT   context budget in tokens           default: the server's, else 32768
-    AGENT_YES       1: allow every change unasked      default 0
-    AGENT_READ_ONLY 1: offer no tool that changes      default 0
-    MAX_TURNS       tool rounds per question           default 20
-    NO_COLOR        set to anything: no colour
-    XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
-(OPENAI_BASE_URL, OPENAI_MODEL and OPENAI_API_KEY are read when the LLM_ ones are unset.)
-
-Contents. Every agent is five pieces: a tool-calling endpoint (13-16), tool schemas (4), a
-sandboxed executor (5-12), an append-only transcript and stop conditions (17-19); then come
-the extensions (20-22) and the terminal (23-26).
-    1. Configuration
-    2. The session: what one conversation carries
-    3. The prompt
-    4. Tool schemas: what the model may call
-    5. The sandbox: every path stays inside the root
-    6. Reading: list_dir, read_file, and the project's instructions
-    7. Finding files: globs and listings
-    8. Searching contents: search, in Python or with ripgrep
-    9. Changing files: write_file and edit_file
-   10. Running commands: run_shell
-   11. The executor: every failure becomes text
-   12. Approval: nothing changes until the user says yes
-   13. Server errors: what may pass, and what to say about the rest
-   14. Talking to the model: one endpoint, retried
-   15. Streaming: a reply read as it is written
-   16. Replies: what servers send, made strict
-   17. Context: a transcript that never overflows
-   18. Tool calls: reads side by side, changes one at a time
-   19. The loop
-   20. MCP: tools from other programs
-   21. Sub-agents: a fresh loop for one task
-   22. Sessions that survive
-   23. The screen: a reply as it streams in
-   24. The terminal: one question, or a session
-   25. The demo: a scripted model
-   26. main()
+LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 22 lists every setting.
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
     messages    the transcript: every message so far, sent whole each round; only appended to,
-                but for a compaction (section 17), /clear and a resumed session
+                but for a compaction (section 18), /clear and a resumed session
     tool call   {"id", "type": "function", "function": {"name", "arguments": JSON text}} in
                 an assistant message, answered by one {"role": "tool", "tool_call_id", "content"}
+    say, show, emit   the three ways out: a line for the user on stderr; the model's reply (or
+                a preview) as the user reads it; an event for scripts (--json, --jsonl, --trace)
 
 Left out on purpose: images in the conversation, MCP over HTTP, and any sandbox for commands
 beyond the user's approval (a command the user allows can do what the user can).
@@ -115,14 +109,14 @@ VERSION = "0.1.0"
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Configuration
+# Limits and defaults: every number the program goes by, with its unit
 # ----------------------------------------------------------------------------------------------
 
 DEFAULT_URL = "http://127.0.0.1:8080/v1"
-TIMEOUT = 300          # seconds one request may take
+TIMEOUT = 300          # seconds of silence allowed while waiting on the server (LLM_TIMEOUT)
 MAX_TOKENS = 4096      # tokens per reply; small local models ramble until the context is full
 MAX_TURNS = 20         # tool rounds per user message, then one last answer without tools
-REPEAT_LIMIT = 2       # times one exact call runs in one reply; one more is refused, two end it
+REPEAT_LIMIT = 2       # runs of one exact call in one reply: a 3rd is refused, a 4th ends the turn
 
 RESULT_CAP = 8_000     # characters of one tool result the model sees
 LINE_CAP = 500         # characters of one line that read_file shows
@@ -156,11 +150,18 @@ STDIN_CAP = 100_000    # characters of piped stdin added to the question
 STDIN_WAIT = 3         # seconds to wait for piped stdin to start, when there is a question too
 
 
+# ==============================================================================================
+# PART I — THE AGENT
+# ==============================================================================================
+# The loop and its five pieces: what the model reads (1, 2), the loop itself (3), the tools it
+# may call (4), the executor that runs them inside the workspace (5, 6), several calls at once
+# (7), the user's approval (8), and the one endpoint every request goes to (9).
+
 # ----------------------------------------------------------------------------------------------
-# 3. The prompt
+# 1. What the model reads: the system prompt
 # ----------------------------------------------------------------------------------------------
 # The system prompt is the first message of every request: these rules, then the project's own
-# instructions (AGENTS.md) and the skills it offers (section 6). It holds no clock and no
+# instructions (AGENTS.md) and the skills it offers (section 10). It holds no clock and no
 # counter, so it stays the same for the whole session (but for the summary a compaction adds
 # to it), and a server can reuse its cached prefix round after round.
 
@@ -195,7 +196,7 @@ repeat a refused call.
 """
 READ_ONLY = "- This session is read-only: you can look, but not change files or run commands.\n"
 
-# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 19).
+# Sent as a user message when the tool budget is spent, with tool_choice "none" (section 3).
 FINAL_REQUEST = ("[agent] Tool budget spent: {why}. Do not call tools. Answer the question now, "
                  "as well as you can from what you found, and say what is still unknown.")
 
@@ -203,16 +204,16 @@ FINAL_REQUEST = ("[agent] Tool budget spent: {why}. Do not call tools. Answer th
 # ----------------------------------------------------------------------------------------------
 # 2. The session: what one conversation carries
 # ----------------------------------------------------------------------------------------------
-# Config is what the user set; a Session is one conversation: its transcript, the tools it
-# offers, what it has learned about the server, and how it talks to the user. It is a record
-# of the program's own; what travels to the server stays plain JSON, in its messages.
+# Config is what the user set (section 22); a Session is one conversation: its transcript, the
+# tools it offers, what it has learned about the server, and how it talks to the user. It is a
+# record of the program's own; what travels to the server stays plain JSON, in its messages.
 
 @dataclasses.dataclass
 class Session:
     """One conversation: its transcript, and what it has learned and shown along the way.
     Each field is explained where it is used; here they are by kind."""
     cfg: Config
-    # the conversation (sections 17, 19, 22)
+    # the conversation (sections 3, 18, 21)
     messages: list = dataclasses.field(default_factory=list)  # the transcript
     system: str = ""                       # the system prompt, before any summary is added
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
@@ -221,7 +222,7 @@ class Session:
     path: str = ""                         # the file the transcript is saved in, as it grows
     saved: int = 0                         # messages written to it so far
     exit_reason: str = ""                  # how the last turn ended: answer, max_turns, ...
-    # the tools (sections 4, 12, 20, 21)
+    # the tools (sections 4, 7, 8, 19, 20)
     tools: list = dataclasses.field(default_factory=list)    # the schemas offered, fixed
     handlers: dict = dataclasses.field(default_factory=dict)  # the session's own tools: MCP, task
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
@@ -229,7 +230,7 @@ class Session:
     changes: int = 0                       # changes made so far: a repeat after one is new
     interrupted: bool = False              # Ctrl+C ended the turn: reads left running hush
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
-    # the server (sections 14-17)
+    # the server (sections 9, 16-18)
     transport: Optional[Callable] = None   # request body -> reply JSON: post_chat, or a script
     token_param: str = "max_tokens"        # "max_completion_tokens" once a server insists
     stream_options: bool = True            # False once a server refuses stream_options
@@ -281,29 +282,33 @@ def new_session(cfg, transport=None) -> Session:
     return session
 
 
+def append(session, message):
+    """Add one message to the transcript, and to its file at once: the one way in."""
+    session.messages.append(message)
+    save(session)   # on disk as soon as it is in the transcript, should the next step never end
+
+
 # ----------------------------------------------------------------------------------------------
-# 19. The loop
+# 3. The loop
 # ----------------------------------------------------------------------------------------------
-# The whole agent: append the question; ask; append the reply; if it calls no tool, that is the
-# answer; otherwise run each call, append each result, and ask again. The transcript is only
-# appended to (but for a compaction), so every request begins with the bytes of the one before,
-# and the server reuses its cache. Three things stop it: an answer, MAX_TURNS rounds, or a
-# reply repeating one call over and over; the last two end with one more request that forbids
-# tools, so that an answer still comes. Each message is saved as it joins the transcript.
+# The whole agent: append the question; query the model; append the reply; if it calls no tool,
+# that is the answer; otherwise run each call, append each result, and query again. The
+# transcript is only appended to (but for a compaction), so every request begins with the bytes
+# of the one before, and the server reuses its cache. Three things stop it: an answer,
+# MAX_TURNS rounds, or a reply repeating one call over and over; the last two end with one
+# more request that forbids tools, so that an answer still comes. Whatever stops it, even a
+# Ctrl+C, the transcript is left valid: every tool call answered.
 
 def run_turn(session, question) -> str:
-    """Answer one user message: ask, run the tools the model calls, repeat until it answers."""
-    messages, session.interrupted = session.messages, False
-    if len(messages) > 1:   # subtle: a Ctrl+C may have come before the last turn could settle
-        settle(messages, "[interrupted by the user]")
-    messages.append({"role": "user", "content": question})
+    """Answer one user message: query, run the tools the model calls, repeat until it answers."""
+    session.interrupted = False
+    close_turn(session, "[interrupted by the user]")   # subtle: see close_turn()
+    append(session, {"role": "user", "content": question})
     why = "max_turns"
     try:
         for _ in range(session.cfg.max_turns):
-            save(session)                # on disk as soon as it is in the transcript
-            reply = ask(session)
-            messages.append(reply.message)
-            save(session)
+            reply = query(session)
+            append(session, reply.message)
             tool_calls = reply.message.get("tool_calls", [])
             if not tool_calls:
                 session.exit_reason = "answer"
@@ -313,38 +318,29 @@ def run_turn(session, question) -> str:
                     session.exit_reason = "max_tokens"
                 return reply.message["content"]
             if reply.message["content"] and "content" not in session.shown:
-                session.say(printable(reply.message["content"]))   # thinking aloud
-            asked = collections.Counter()   # (changes so far, tool, arguments) -> times asked
-            for call, result in zip(tool_calls, run_calls(session, reply, asked)):
-                messages.append({"role": "tool", "tool_call_id": call["id"],
+                session.say(reply.message["content"])   # thinking aloud, before its calls
+            times = collections.Counter()   # (changes so far, tool, arguments) -> times called
+            for call, result in zip(tool_calls, run_calls(session, reply, times)):
+                append(session, {"role": "tool", "tool_call_id": call["id"],
                                  "content": unchanged(session, call, result)})
-                save(session)            # a result is kept even if the next call never ends
-            if max(asked.values()) > REPEAT_LIMIT + 1:
+            if max(times.values()) > REPEAT_LIMIT + 1:
                 why = "repeated_call"
                 break
         return final_answer(session, why)
     except KeyboardInterrupt:
         session.exit_reason, session.interrupted = "interrupted", True
-        TimeLimit.disarm()   # subtle: a Ctrl+C that landed in TimeLimit.__exit__ left it set
-        # subtle: a double tap on Ctrl+C must not cut this short, or a call stays unanswered,
-        # here and on disk, and strict servers refuse every request after it. The second
-        # waits while it runs; should it land as it begins, it begins again.
-        try:
-            uninterrupted(lambda: (settle(messages, "[interrupted by the user]"), save(session)))
-        except KeyboardInterrupt:
-            uninterrupted(lambda: (settle(messages, "[interrupted by the user]"), save(session)))
+        close_turn(session, "[interrupted by the user]")
         raise
     except Exception as e:   # Fatal, or a fault of this program: the transcript stays valid
         session.exit_reason = "error"
         session.emit("error", message=str(e))
-        settle(messages, f"[no reply: {e}]")
-        save(session)
+        close_turn(session, f"[no reply: {e}]")
         raise
 
 
-def ask(session, tool_choice=None) -> Reply:
+def query(session, tool_choice=None) -> Reply:
     """One round trip: send the transcript and the tools, get back a normalised reply. Before
-    it, make room in the context; if the server still finds it full, compact and ask once more."""
+    it, make room in the context; if the server still finds it full, compact and try again."""
     make_room(session)
     body = {"model": pick_model(session), "messages": session.messages, "tools": session.tools}
     if tool_choice:
@@ -373,16 +369,15 @@ def ask(session, tool_choice=None) -> Reply:
 
 
 def final_answer(session, why) -> str:
-    """Out of rounds or going in circles: ask once more with tools forbidden, for an answer."""
+    """Out of rounds or going in circles: query once more with tools forbidden, for an answer."""
     reason = STOPPED[why].format(session.cfg.max_turns)
     session.say(f"  ({reason}; asking for a final answer)", YELLOW)
-    session.messages.append({"role": "user", "content": FINAL_REQUEST.format(why=reason)})
-    reply = ask(session, tool_choice="none")
+    append(session, {"role": "user", "content": FINAL_REQUEST.format(why=reason)})
+    reply = query(session, tool_choice="none")
     if reply.message.get("tool_calls"):   # a server that ignores tool_choice: drop the calls
         session.say("  (the model still asked for tools; not run)", YELLOW)
         reply.message = {"role": "assistant", "content": reply.message["content"]}
-    session.messages.append(reply.message)
-    save(session)
+    append(session, reply.message)
     session.exit_reason = why
     return reply.message["content"]
 
@@ -392,13 +387,26 @@ STOPPED = {"max_turns": "{} tool rounds, the limit",
            "repeated_call": "the same call was repeated with the same arguments in one reply"}
 
 
+def close_turn(session, note):
+    """After an interruption or a failure: settle the transcript and save it. Before a turn,
+    the same mends one that an earlier Ctrl+C left open before it could be closed."""
+    # subtle: a double tap on Ctrl+C must not cut this short, or a call stays unanswered, here
+    # and on disk, and strict servers refuse every request after it. The second tap waits
+    # while it runs; should it land just as it begins, it begins again.
+    TimeLimit.disarm()   # a Ctrl+C that landed inside TimeLimit.__exit__ may have left it set
+    try:
+        uninterrupted(lambda: (settle(session.messages, note), save(session)))
+    except KeyboardInterrupt:
+        uninterrupted(lambda: (settle(session.messages, note), save(session)))
+
+
 def settle(messages, note, close=True):
-    """After an interruption or a failure: answer every open tool call; with close, end the
-    turn with an assistant note, so that roles alternate again for strict templates."""
+    """Answer every open tool call with an interrupted error; with close, end the turn with an
+    assistant note, so that roles alternate again for strict templates."""
     for call in open_calls(messages):
         messages.append({"role": "tool", "tool_call_id": call["id"],
                          "content": f"error: interrupted: {note}"})
-    if close and messages[-1]["role"] != "assistant":
+    if close and len(messages) > 1 and messages[-1]["role"] != "assistant":
         messages.append({"role": "assistant", "content": note})
 
 
@@ -416,7 +424,7 @@ def open_calls(messages) -> list:
 # ----------------------------------------------------------------------------------------------
 # The model sees only these names, descriptions and parameter types, so each description is a
 # prompt: it says what the tool returns, its caps, and what to do next. The list is sent the
-# same, in the same order, with every request (section 19 keeps the request prefix stable).
+# same, in the same order, with every request (section 3 keeps the request prefix stable).
 
 def tool_schema(name, description, /, required=(), **properties):
     """One tool schema in the OpenAI format; properties are JSON Schema fragments.
@@ -509,7 +517,7 @@ TOOLS = [
                         f"{SHELL_TIMEOUT_MAX}")),
 ]
 
-# The tools that change something: each asks the user first (section 12).
+# The tools that change something: each asks the user first (section 8).
 CHANGES = {"write_file", "edit_file", "run_shell"}
 
 
@@ -521,18 +529,18 @@ def tools_for(cfg, skills) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. The executor: every failure becomes text
+# 5. The executor: every failure becomes text
 # ----------------------------------------------------------------------------------------------
 # The model will misspell tools, send broken JSON, ask for files that do not exist and paths it
 # may not read. None of that may end the conversation: each becomes a tool result beginning
 # "error: KIND:", naming the bad value and the next step, which the model reads and acts on.
 
-def execute(cfg, name, arguments, tools=TOOLS, permit=None, handlers=None) -> str:
+def execute(cfg, name, arguments, tools=TOOLS, approve=None, handlers=None) -> str:
     """Run one tool call and return its result as text; every failure is an 'error:' result.
 
-    A tool that changes something returns a Plan, carried out only if permit(name, args,
+    A tool that changes something returns a Plan, carried out only if approve(name, args,
     plan) answers (True, ...); (False, why) makes the result a denial that says why. No
-    permit means the user made the call, as with --tool. handlers: the session's own tools
+    approve means the user made the call, as with --tool. handlers: the session's own tools
     (MCP, task), name -> function(arguments) returning text or a Plan.
     """
     schemas = {t["function"]["name"]: t["function"] for t in tools}
@@ -549,8 +557,8 @@ def execute(cfg, name, arguments, tools=TOOLS, permit=None, handlers=None) -> st
             with TimeLimit():
                 result = TOOL_FUNCTIONS[name](cfg, **args)
         if isinstance(result, Plan):   # a change: it happens only once the user allows it
-            allowed, reason = permit(name, args, result) if permit and result.ask \
-                else (True, "")
+            allowed, reason = approve(name, args, result) \
+                if approve and result.needs_approval else (True, "")
             result = result.carry_out() if allowed else f"error: denied: {reason}"
     except ToolError as e:
         result = f"error: {e.kind}: {e}"
@@ -644,7 +652,7 @@ def cap(text, limit=RESULT_CAP) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. The sandbox: every path stays inside the root
+# 6. The sandbox: every path stays inside the root
 # ----------------------------------------------------------------------------------------------
 # The model names paths; the sandbox decides what they mean. A path is joined to the root,
 # every symlink in it resolved, and only then compared with the root, so neither '..', nor an
@@ -717,7 +725,7 @@ def regular_file(root, path) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 18. Tool calls: reads side by side, changes one at a time
+# 7. Several calls in one reply: reads side by side, changes one at a time
 # ----------------------------------------------------------------------------------------------
 # A reply may ask for several tools at once. Reads do not depend on each other, so they run
 # together; a change, and anything that asks the user, runs alone and in its place, so that a
@@ -731,20 +739,20 @@ REPEATED = ("error: repeated_call: {} was already called {} times in this reply 
             "something different, or answer.")
 
 
-def run_calls(session, reply, asked):
+def run_calls(session, reply, times):
     """Yield the results of a reply's tool calls in the order of the calls, each as soon as it
     and those before it are known. Reads run side by side; each change runs alone, in its
     place, after the reads before it and before those after. A call repeated too often, or
-    the last of a reply cut off by the token cap, is not run. asked counts this reply's calls."""
+    the last of a reply cut off by the token cap, is not run. times counts this reply's calls."""
     tool_calls, reads = reply.message["tool_calls"], []
     for place, (call, arguments) in enumerate(zip(tool_calls, reply.arguments)):
         name = call["function"]["name"]
         key = (session.changes, name, call["function"]["arguments"], str(arguments))
-        asked[key] += 1
+        times[key] += 1
         if reply.finish_reason == "length" and call is tool_calls[-1]:
             # subtle: the server may have patched up a call the cap cut in half
             result = CUT_OFF.format(session.cfg.max_tokens)
-        elif asked[key] > REPEAT_LIMIT:
+        elif times[key] > REPEAT_LIMIT:
             result = REPEATED.format(name, REPEAT_LIMIT)
         elif name not in session.serial:
             reads.append((place, name, arguments))   # to run with the other reads
@@ -829,20 +837,22 @@ def one_line(text, width) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Approval: nothing changes until the user says yes
+# 8. Approval: nothing changes until the user says yes
 # ----------------------------------------------------------------------------------------------
-# Reading is free; writing, editing and running commands are not. The executor hands each Plan
-# to permit(), which shows the user the diff or the command and asks: y(es), n(o) with an
-# optional reason that goes back to the model, a(lways) for this tool in this session, or ?
-# for the full arguments. With no terminal to ask on, the answer is no, unless --yes said yes
-# to everything in advance; nothing ever waits for input that cannot come.
+# Reading is free; writing, editing and running commands are not. A tool that changes something
+# returns a Plan, and the executor hands it to approve(), which in a session is ask_permission():
+# it shows the user the diff or the command and asks: y(es), n(o) with an optional reason that
+# goes back to the model, a(lways) for this tool in this session, or ? for the full arguments.
+# With no terminal to ask on, the answer is no, unless --yes said yes to everything in advance;
+# nothing ever waits for input that cannot come.
 
 @dataclasses.dataclass
 class Plan:
     """A change a tool proposes: shown to the user first, carried out only once allowed."""
     preview: str                     # a unified diff, or "$ command"
     carry_out: Callable[[], str]     # makes the change and returns the result for the model
-    ask: bool = True                 # False: needs no yes, only to run outside the time limit
+    needs_approval: bool = True      # False: runs unasked, but still as a Plan, which runs
+                                     # free of the tool time limit (a task, say)
     subject: str = ""                # what it changes, named in the question: "src/app.py"
 
 
@@ -961,12 +971,12 @@ CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u20
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Talking to the model: one endpoint, retried
+# 9. The endpoint: one POST, retried, and the reply made strict
 # ----------------------------------------------------------------------------------------------
 # One endpoint: POST {url}/chat/completions with the whole transcript and the tool schemas.
 # Every request goes through post_chat(), the one place where failures that may pass are
 # retried, with growing waits; exchange() makes one attempt and sorts out how it went (see
-# section 13), reading a streamed reply as it comes (section 15).
+# section 16), reading a streamed reply as it comes (section 17).
 
 def post_chat(session, body) -> dict:
     """POST body to /chat/completions and return the reply JSON, retrying what may pass."""
@@ -1037,9 +1047,6 @@ def connect(cfg, method, path, body=None, timeout=None):
         return e.code, e.headers, e
 
 
-# ----------------------------------------------------------------------------------------------
-# 16. Replies: what servers send, made strict
-# ----------------------------------------------------------------------------------------------
 # The reply's first choice holds an assistant message with text, tool calls, or both, and
 # servers disagree about its shape: arguments as text, an object or nothing; ids missing or
 # reused; reasoning in one field or another, or in the text. normalise() reshapes every reply
@@ -1064,7 +1071,7 @@ def normalise(session, data) -> Reply:
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))
     reasoning = text_of(message.get("reasoning") or message.get("reasoning_content"))
-    # thinking some servers leave in the text (Screen.show, section 23, splits it the same way)
+    # thinking some servers leave in the text (Screen.show, section 23, splits it alike)
     think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
@@ -1124,6 +1131,11 @@ def unique_call_id(session, given) -> str:
     return f"call{n:05d}"
 
 
+# Two kinds of error, kept apart. What the model can fix (a bad path, a regex that does not
+# compile) is a ToolError, and becomes an "error:" result that the loop sends back to it. What
+# it cannot fix (no server, HTTP 401, a full context, a bad flag) is a Fatal: the turn ends,
+# and main() prints one line and exits with the code it carries.
+
 class Fatal(Exception):
     """What the model cannot fix (no server, HTTP 401, a full context): main() prints one line."""
     exit_code = 1
@@ -1134,8 +1146,27 @@ class UsageError(Fatal):
     exit_code = 2
 
 
+# That is the whole agent. run_turn() appends the question and asks; query() sends the
+# transcript and the tools to the one endpoint and gets back a reply made strict; each call in
+# it goes through run_calls() to execute(), which checks it against TOOLS, keeps its paths inside
+# the workspace and asks the user before a change; each result is appended; and the loop stops
+# at an answer, at MAX_TURNS, or at a call repeated over and over. What follows fills it in:
+# Part II the tools themselves, Part III what real servers do to the endpoint (errors, retries,
+# streams, a context that fills up), Part IV extensions that add tools and keep sessions without
+# changing the loop, and Part V the program around it: configuration, screen, terminal, main().
+
+
+# ==============================================================================================
+# PART II — THE TOOLS IN FULL
+# ==============================================================================================
+# Part I showed each tool as a name, a schema and a function that the executor calls. Here are
+# those functions, each tool's entry point first and then its engine: how to read the lines
+# that matter of a huge file, find files as git sees them, search a tree as fast as ripgrep,
+# change a file so that the user sees exactly what will change, and run a command so that
+# nothing it starts outlives it; then the time limits and interruptions they all live under.
+
 # ----------------------------------------------------------------------------------------------
-# 6. Reading: list_dir, read_file, and the project's instructions
+# 10. Reading: list_dir, read_file, and the project's instructions
 # ----------------------------------------------------------------------------------------------
 # Each tool is a plain function: the Config first (its root is the sandbox), then the
 # parameters its schema declares.
@@ -1346,7 +1377,7 @@ def front_matter(text) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Finding files: globs and listings
+# 11. Finding files: globs and listings
 # ----------------------------------------------------------------------------------------------
 # find_files and search both look at the files below a directory: in a git work tree, the ones
 # git lists (so .gitignore is honoured), elsewhere the ones a walk finds; .git never. A glob
@@ -1361,7 +1392,7 @@ def find_files(cfg, pattern):
     if not pattern.strip("./"):
         raise ToolError("bad_glob", "the pattern is empty; give a glob such as '*.py'")
     patterns = check_glob(pattern)
-    paths = [p for p in list_files(root) if glob_match(patterns, p)]
+    paths = [p for p in list_files(root, cfg.shell_env) if glob_match(patterns, p)]
     if not paths:
         return f"no files match {pattern!r}"
     if len(paths) > PATH_CAP:
@@ -1428,15 +1459,15 @@ def glob_match(patterns, path) -> bool:
     return False
 
 
-def list_files(directory) -> list:
+def list_files(directory, env) -> list:
     """Every file below directory as sorted relative paths, without .git or what git ignores."""
-    found = git_files(directory)   # inside a git work tree, git knows what .gitignore means
+    found = git_files(directory, env)   # in a git work tree, git knows what .gitignore means
     if not found:   # no repository; or all of it ignored, and asked for by name all the same
         found = []
         for top, dirs, files in os.walk(directory):   # followlinks=False: no symlink loops
             rel = os.path.relpath(top, directory).replace(os.sep, "/")
             prefix = "" if rel == "." else rel + "/"
-            inner = git_files(top) if rel != "." and ".git" in dirs + files else None
+            inner = git_files(top, env) if rel != "." and ".git" in dirs + files else None
             if inner is not None:                      # a repository inside: its git knows
                 found.extend(prefix + name for name in inner)
                 dirs[:] = []
@@ -1446,8 +1477,9 @@ def list_files(directory) -> list:
     return sorted(set(found))   # subtle: --cached and --others overlap for staged new files
 
 
-def git_files(directory) -> Optional[list]:
-    """The files git sees below directory (tracked, or new and not ignored); None if no repo.
+def git_files(directory, env) -> Optional[list]:
+    """The files git sees below directory (tracked, or new and not ignored), git running in
+    the environment env (the user's, less the API key); None if there is no repository.
     Only plain names below directory come back: an index can be made to list any path."""
     # A repository's own files could make git run a command (core.fsmonitor in its config),
     # or be a bare repository that a plain clone delivers as ordinary files, which git would
@@ -1458,7 +1490,7 @@ def git_files(directory) -> Optional[list]:
         out = subprocess.run(
             ["git", "-c", "core.fsmonitor=false", "-c", "safe.directory=*", "-c",
              "safe.bareRepository=explicit", "ls-files", "-z", "--cached", "--others",
-             "--exclude-standard"], cwd=directory, env=git_environment(directory),
+             "--exclude-standard"], cwd=directory, env=git_environment(directory, env),
             capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):   # no git on this machine
         return None
@@ -1469,7 +1501,8 @@ def git_files(directory) -> Optional[list]:
         if not plain_name(name):   # '../../etc/passwd', '/etc/passwd', '.git/config'
             continue
         if name.endswith("/"):   # a repository inside this one: its own git knows its files
-            found.extend(name + inner for inner in git_files(os.path.join(directory, name)) or [])
+            inner = git_files(os.path.join(directory, name), env)
+            found.extend(name + path for path in inner or [])
         else:
             found.append(name)
     return found
@@ -1483,7 +1516,7 @@ def plain_name(name) -> bool:
         (os.altsep or os.sep) not in part for part in parts)
 
 
-def git_environment(directory) -> dict:
+def git_environment(directory, env) -> dict:
     """The environment git lists files in: the user's GIT_ settings left out, and a ceiling
     above which git may not look for a repository: the top of the one that directory is in."""
     top = directory
@@ -1491,18 +1524,18 @@ def git_environment(directory) -> dict:
         top = os.path.dirname(top)
     if not os.path.lexists(os.path.join(top, ".git")):   # in no repository: no further up
         top = directory
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    return dict(env, GIT_CEILING_DIRECTORIES=os.path.dirname(top))
+    return dict({k: v for k, v in env.items() if not k.startswith("GIT_")},
+                GIT_CEILING_DIRECTORIES=os.path.dirname(top))
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Searching contents: search, in Python or with ripgrep
+# 12. Searching contents: search, in Python or with ripgrep
 # ----------------------------------------------------------------------------------------------
 # search reads every text file below a path, line by line in effect, with a Python regular
 # expression. Two things make it fast: ripgrep, where installed, scans the tree instead; and
 # the Python scan rules a file out on its raw bytes, where it can, before decoding it. Neither
 # can be made to run without end by a pattern: a regex that could run across lines is tried
-# line by line, and the loops check the deadline that TimeLimit sets (section 5).
+# line by line, and the loops check the deadline that TimeLimit sets (section 15).
 
 def search(cfg, pattern, path=".", glob=None):
     """Rows 'path:line: text' for every line matching pattern in the text files below path."""
@@ -1519,7 +1552,7 @@ def search(cfg, pattern, path=".", glob=None):
     full = resolve(root, path)
     if os.path.isdir(full):
         hits = ripgrep(cfg, full, pattern, glob, only)
-        hits = scan(root, full, regex, only) if hits is None else hits
+        hits = scan(cfg, full, regex, only) if hits is None else hits
     else:
         name = regular_file(root, path)
         hits = ((relative(root, name), n, line) for n, line in scan_file(name, regex))
@@ -1542,13 +1575,13 @@ def search(cfg, pattern, path=".", glob=None):
     return "\n".join(rows)
 
 
-def scan(root, full, regex, only):
+def scan(cfg, full, regex, only):
     """Yield (path, number, line) for every match below full, found by Python."""
-    prefix = folder_prefix(root, full)
+    prefix = folder_prefix(cfg.root, full)
     look = byte_prefilter(regex.pattern)
     known = {full: True}   # folder -> True if no symlink on its way down from full
     base = os.path.join(full, "")
-    for rel in list_files(full):
+    for rel in list_files(full, cfg.shell_env):
         check_time()
         name = os.path.normpath(base + rel)
         # The sandbox rule, for names that git or a walk found: below the folder searched,
@@ -1744,12 +1777,12 @@ def read_ripgrep(root, full, process, first, only):
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Changing files: write_file and edit_file
+# 13. Changing files: write_file and edit_file
 # ----------------------------------------------------------------------------------------------
 # A tool that changes something does not do it at once. It checks its arguments, works out
 # exactly what would happen, and returns a Plan: a preview for the user (a unified diff, or the
 # command line) and a function that carries it out. The executor runs that function only once
-# the user has said yes (section 12). The sandbox rules of reading hold for writing too.
+# the user has said yes (section 8). The sandbox rules of reading hold for writing too.
 
 def write_file(cfg, path, content):
     """Plan to create a text file, or replace one whole, with content."""
@@ -1893,7 +1926,7 @@ def numbered(text, first, last) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Running commands: run_shell
+# 14. Running commands: run_shell
 # ----------------------------------------------------------------------------------------------
 # A command runs in the workspace with its stdin closed and its output going to a temporary
 # file, in a process group of its own, so that when it ends, times out or is interrupted,
@@ -2064,6 +2097,14 @@ def stat_fields(pid) -> list:
         return []
 
 
+# ----------------------------------------------------------------------------------------------
+# 15. Time limits and interruptions
+# ----------------------------------------------------------------------------------------------
+# No tool may run for ever, and a Ctrl+C must stop what is running without leaving a mess. A
+# tool gets TOOL_SECONDS; the work that tidies up after a Ctrl+C (killing what a command
+# started, answering the calls left open) holds a second Ctrl+C back until it is done. Last,
+# the table that ties each tool's name to its function.
+
 class TimeLimit:
     """Stop the tool after TOOL_SECONDS with a ToolError: by a deadline the long loops check
     (check_time), and in the main thread by an alarm as well."""
@@ -2158,14 +2199,21 @@ def uninterrupted(work):
     return result
 
 
-# Tool name -> the function that runs it. The schemas in TOOLS describe the same functions.
+# Tool name -> the function that runs it (section 4's TOOLS describe the same functions).
 TOOL_FUNCTIONS = {"list_dir": list_dir, "read_file": read_file, "search": search,
                   "find_files": find_files, "load_skill": load_skill, "write_file": write_file,
                   "edit_file": edit_file, "run_shell": run_shell}
 
 
+# ==============================================================================================
+# PART III — SURVIVING REAL SERVERS
+# ==============================================================================================
+# Part I sent one POST and read one reply. Real servers fail in a dozen shapes, stream their
+# replies in fragments, and can read only so much: here is what the endpoint does about each,
+# without the loop knowing.
+
 # ----------------------------------------------------------------------------------------------
-# 13. Server errors: what may pass, and what to say about the rest
+# 16. Server errors: what may pass, and what to say about the rest
 # ----------------------------------------------------------------------------------------------
 # Servers fail in many shapes. What may pass (a 429, a 503, a dropped connection, a body that
 # is not JSON) becomes a Retry, which post_chat() waits out. What cannot (a 401, a full
@@ -2183,7 +2231,7 @@ class Retry(Exception):
 
 
 class ContextFull(Fatal):
-    """The server says the request does not fit the model's context (section 17 compacts)."""
+    """The server says the request does not fit the model's context (section 18 compacts)."""
 
     def __init__(self, message, n_ctx=0):
         """n_ctx: the context size in tokens, if the server said."""
@@ -2397,7 +2445,7 @@ def pick_model(session) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Streaming: a reply read as it is written
+# 17. Streaming: a reply read as it is written
 # ----------------------------------------------------------------------------------------------
 # With "stream": true the server sends the reply as server-sent events: lines "data: {chunk}",
 # a blank line after each event, and "data: [DONE]" at the end. Each chunk carries a delta: a
@@ -2538,7 +2586,7 @@ def merge_fragment(calls, fragment):
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Context: a transcript that never overflows
+# 18. Context: a transcript that never overflows
 # ----------------------------------------------------------------------------------------------
 # Every request carries the whole transcript, and a model can only read so much: its context.
 # Before each request the agent estimates the size (the server's own count of the last prompt,
@@ -2649,7 +2697,7 @@ def summarise(session, text) -> str:
     return normalise(session, session.transport(body)).message["content"]
 
 
-# What the model is asked when the conversation must shrink (section 17), and where the summary
+# What the model is asked when the conversation must shrink, and where the summary
 # goes: the end of the system message.
 SUMMARY_PROMPT = """\
 You compress the conversation of a coding agent with its user, so that the work can go on in \
@@ -2710,8 +2758,15 @@ def unpoint(kept, dropped):
                     m["content"] = result
 
 
+# ==============================================================================================
+# PART IV — EXTENSIONS
+# ==============================================================================================
+# Each extension adds to the session, never to the loop: MCP adds tools that other programs
+# serve, a sub-agent is a tool that runs the same loop on a transcript of its own, and saved
+# sessions write each message as append() adds it. run_turn() is the same with or without them.
+
 # ----------------------------------------------------------------------------------------------
-# 20. MCP: tools from other programs
+# 19. MCP: tools from other programs
 # ----------------------------------------------------------------------------------------------
 # The Model Context Protocol lets any program offer tools. An MCP server here is a child
 # process spoken to over its stdin and stdout in JSON-RPC 2.0, one message per line: the
@@ -2733,7 +2788,7 @@ def start_mcp(session):
         if not spec["program"]:
             session.say(f"mcp: {name}: failed: cannot run {spec['command']!r}: not found on "
                         f"its PATH", YELLOW)
-        elif permitted(session, name, spec):
+        elif may_start(session, name, spec):
             session.servers.append(McpServer(name, spec))   # stop_mcp() stops what is here
     starting = [threading.Thread(target=s.start, args=(session.cfg,), daemon=True)
                 for s in session.servers]
@@ -2763,11 +2818,11 @@ def start_mcp(session):
                 session.serial.add(name)
 
 
-def permitted(session, name, spec) -> bool:
+def may_start(session, name, spec) -> bool:
     """May this server start? --mcp ones may; one from the workspace's .mcp.json, if allowed.
     The question shows all that decides what runs: the program its PATH finds, where that
     is, every argument, and every variable the file sets (PATH, LD_PRELOAD, NODE_OPTIONS…)."""
-    if not spec.get("ask") or session.cfg.yes:
+    if not spec["from_workspace"] or session.cfg.yes:
         return True
     program, root = spec["program"], session.cfg.root
     where = "INSIDE THE WORKSPACE" if inside(root, os.path.realpath(program)) else "on this machine"
@@ -2801,7 +2856,7 @@ def mcp_handler(server, tool, read_only):
             except McpError as e:
                 return f"error: mcp_error: {e}. Retrying may not help; try another way."
         preview = f"MCP {server.name}: {tool}({json.dumps(arguments, ensure_ascii=False)})"
-        return Plan(preview, carry_out, ask=not read_only)
+        return Plan(preview, carry_out, needs_approval=not read_only)
     return handle
 
 
@@ -3001,8 +3056,9 @@ def mcp_servers(root, files, env, shell_env) -> tuple:
     workspace's, from shell_env, which has no API key); and what is wrong, one line each.
     Each server is judged alone: a bad one is left out, not the file."""
     servers, problems = {}, []
-    for path, ask in [(os.path.join(root, ".mcp.json"), True)] + [(f, False) for f in files]:
-        if ask and not os.path.isfile(path):
+    for path, workspace in [(os.path.join(root, ".mcp.json"), True)] + \
+            [(f, False) for f in files]:
+        if workspace and not os.path.isfile(path):
             continue
         try:
             with open(path, encoding="utf-8-sig") as f:
@@ -3011,13 +3067,13 @@ def mcp_servers(root, files, env, shell_env) -> tuple:
             if not isinstance(found, dict):
                 raise ValueError('it has no "mcpServers" object')
         except (OSError, ValueError, RecursionError) as e:
-            if not ask:
+            if not workspace:
                 raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
             problems.append(f"{path} not used: {e}")
             continue
         # subtle: a file in the workspace is the repository's, not the user's: it does not get
         # to copy the API key into the environment of a program it names
-        known = shell_env if ask else env
+        known = shell_env if workspace else env
         for name, spec in found.items():
             spec = expand(spec, known)
             if not MCP_NAME.fullmatch(name):   # it is shown in questions: plain letters only
@@ -3029,7 +3085,8 @@ def mcp_servers(root, files, env, shell_env) -> tuple:
                 problems.append(f'{path}: server {name!r} not used: it needs a "command" '
                                 f'string, and "args" a list and "env" an object if given')
             else:
-                servers[name] = dict(spec, ask=ask, args=[str(a) for a in spec.get("args", [])],
+                servers[name] = dict(spec, from_workspace=workspace,
+                                     args=[str(a) for a in spec.get("args", [])],
                                      env={k: str(v) for k, v in spec.get("env", {}).items()
                                           if v is not None})
     return servers, problems
@@ -3051,7 +3108,7 @@ def expand(value, env):
 
 
 # ----------------------------------------------------------------------------------------------
-# 21. Sub-agents: a fresh loop for one task
+# 20. Sub-agents: a fresh loop for one task
 # ----------------------------------------------------------------------------------------------
 # A long search fills the conversation with tool results the main task will never need again.
 # The task tool hands such a piece of work to a helper: the same loop, a transcript of its own,
@@ -3083,7 +3140,7 @@ def plan_task(session, arguments) -> Plan:
     if not isinstance(prompt, str) or not prompt.strip():
         raise ToolError("missing_parameter", "task needs 'prompt' (string): the whole task")
     return Plan(f"task: {description}", lambda: run_task(session, str(description), prompt),
-                ask=False)
+                needs_approval=False)
 
 
 def run_task(session, description, prompt) -> str:
@@ -3102,7 +3159,7 @@ def run_task(session, description, prompt) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 22. Sessions that survive
+# 21. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
 # under the user's state directory, grouped by workspace. A crash loses at most the message
@@ -3237,6 +3294,34 @@ def repair(messages, system) -> list:
     settle(fixed, "[interrupted: the session stopped here]")
     return fixed
 
+
+# ==============================================================================================
+# PART V — THE PROGRAM AROUND IT
+# ==============================================================================================
+# The agent is Parts I-IV; a program needs more: settings read once from flags and the
+# environment, a screen that shows a reply as it streams in, a terminal for one question or a
+# whole session, a demo that needs no server, and main(), which turns every failure into one
+# line and an exit code.
+
+# ----------------------------------------------------------------------------------------------
+# 22. Configuration: flags, then the environment, then the defaults
+# ----------------------------------------------------------------------------------------------
+# Environment (a flag wins over its variable; the README has the same table):
+#     LLM_URL         OpenAI-compatible base URL         default http://127.0.0.1:8080/v1
+#     LLM_MODEL       model name                         default: the first the server lists
+#     LLM_API_KEY     bearer token, never printed        default: none
+#     LLM_TIMEOUT     seconds of silence per request     default 300
+#     LLM_MAX_TOKENS  cap on each reply, 0 = none        default 4096
+#     LLM_STREAM      0: wait for whole replies          default 1
+#     AGENT_ROOT      the workspace: tools stay in it    default: the current directory
+#     AGENT_CONTEXT   context budget in tokens           default: the server's, else 32768
+#     AGENT_YES       1: allow every change unasked      default 0
+#     AGENT_READ_ONLY 1: offer no tool that changes      default 0
+#     MAX_TURNS       tool rounds per question           default 20
+#     NO_COLOR        set to anything: no colour
+#     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
+# (OPENAI_BASE_URL, OPENAI_MODEL and OPENAI_API_KEY are read when the LLM_ ones are unset.)
+# load_config() is the one place that reads them: no other code looks at os.environ.
 
 @dataclasses.dataclass
 class Config:
@@ -3626,7 +3711,7 @@ def repl(session) -> int:
             break
         try:
             if line.startswith("/"):
-                command(session, line)
+                slash_command(session, line)
                 ran = [] if line == "/clear" else ran
             elif line.startswith("!"):   # the user's own command: no approval needed
                 output = run_command(session.cfg, line[1:], SHELL_TIMEOUT)
@@ -3672,7 +3757,7 @@ Ask anything about the code in {root}, or ask for a change. Commands:
 Ctrl+C stops the current request, tool or command; the conversation is kept."""
 
 
-def command(session, line):
+def slash_command(session, line):
     """Carry out one of the REPL's slash commands."""
     if line == "/help":
         session.say(REPL_HELP.format(root=session.cfg.root))

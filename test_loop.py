@@ -468,9 +468,10 @@ class GitTrustTest(unittest.TestCase):
         """A folder that looks like a bare repository is just a folder to git_files, and so
         is a workspace that is one at its top (a downloaded ZIP)."""
         self.hostile("sub", bare=True)
-        self.assertNotIn(self.escape, agent.git_files(os.path.join(self.root, "sub")) or [])
+        self.assertNotIn(self.escape,
+                         agent.git_files(os.path.join(self.root, "sub"), CFG.shell_env) or [])
         self.hostile(".", bare=True)
-        self.assertIsNone(agent.git_files(self.root))
+        self.assertIsNone(agent.git_files(self.root, CFG.shell_env))
         found = agent.execute(self.cfg, "search", json.dumps({"pattern": r"secret(?= )"}))
         self.assertNotIn("TODO", found)
         self.assertFalse(agent.plain_name("../x") or agent.plain_name("/etc/passwd") or
@@ -787,7 +788,7 @@ class ChangingTest(unittest.TestCase):
             os.symlink(OUTSIDE, os.path.join(self.dir, "swap"))
             return True, ""
         result = agent.execute(CFG, "write_file", json.dumps(
-            {"path": self.path("swap/planted.txt"), "content": "x"}), permit=swap_then_allow)
+            {"path": self.path("swap/planted.txt"), "content": "x"}), approve=swap_then_allow)
         self.assertTrue(result.startswith("error: outside_root:"), result)
         self.assertFalse(os.path.exists(os.path.join(OUTSIDE, "planted.txt")))
 
@@ -800,7 +801,7 @@ class ChangingTest(unittest.TestCase):
             return False, "just looking"
         path = self.path("crlf.txt", b"a\r\nb\r\n")
         agent.execute(CFG, "write_file", json.dumps({"path": path, "content": "a\nb"}),
-                      permit=look)
+                      approve=look)
         self.assertIn("-a\r\n", previews[0])
         self.assertIn("+b\n\\ No newline at end of file", previews[0])
         self.assertEqual(self.read("crlf.txt"), b"a\r\nb\r\n")
@@ -1198,7 +1199,7 @@ class ScreenTrustTest(unittest.TestCase):
         plans = []
         agent.execute(CFG, "write_file", json.dumps({"path": "nowhere/../new.txt",
                                                      "content": "x\n"}),
-                      permit=lambda name, args, plan: plans.append(plan) or (False, "no"))
+                      approve=lambda name, args, plan: plans.append(plan) or (False, "no"))
         self.assertIn("+++ b/new.txt", plans[0].preview)
         self.assertEqual(plans[0].subject, "new.txt")
 
