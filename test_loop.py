@@ -2,16 +2,19 @@
 """test_loop.py: how to test an agent loop without a model, and the proof that agent.py works.
 
 A language model is the one part of an agent that cannot be run in a test, so a canned server
-plays its part (section 1): a real HTTP server on 127.0.0.1, speaking the OpenAI chat API, that
+plays its part (section A): a real HTTP server on 127.0.0.1, speaking the OpenAI chat API, that
 answers each POST to /v1/chat/completions with the next step of a script and records every
 request. A test scripts the model's replies, runs the real loop, executor and tools against it,
 then asserts on two things: what the agent did (its answer, its exit code, what it printed) and
 exactly what it sent (the requests the server received).
 
-Run it: python3 test_loop.py      (or: python3 -m pytest test_loop.py; section 10 says how it
+Run it: python3 test_loop.py      (or: python3 -m pytest test_loop.py; section C says how it
 runs the tests in several processes at once)
-The tests follow the sections of agent.py: configuration, tools and sandbox, the executor,
-talking to the model, the loop, the terminal, and a seeded fuzz test over all of it.
+After the server (A) and the helpers (B), the tests follow agent.py's Parts, each section
+numbered as the section of agent.py it tests: the loop's promises first (a tool error goes back
+to the model, no tool call is the answer, MAX_TURNS forces an answer, repeats are stopped),
+then the rest of Part I, then the tools, real servers, extensions, the program around it, and
+a seeded fuzz test over all of it. `grep -n '^# [0-9A-Z]' test_loop.py` prints the contents.
 """
 import collections
 import contextlib
@@ -48,7 +51,7 @@ agent.RETRY_BASE = 0.01   # retries wait 10, 20, 40 ms here instead of half a se
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. The canned server
+# A. The canned server
 # ----------------------------------------------------------------------------------------------
 # Each POST takes the next step of the script. A step is one of:
 #   reply(...) / calls(...)          a normal completion: {"message": {...}, "finish_reason"}
@@ -209,7 +212,7 @@ def sse_chunks(step):
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Helpers
+# B. Helpers
 # ----------------------------------------------------------------------------------------------
 
 def is_summary(body):
@@ -340,263 +343,110 @@ def execute(name, **args):
     return agent.execute(CFG, name, json.dumps(args))
 
 
-# ----------------------------------------------------------------------------------------------
-# 3. Configuration
-# ----------------------------------------------------------------------------------------------
-
-class ConfigurationTest(unittest.TestCase):
-
-    def test_flags_beat_environment_beats_defaults(self):
-        """A flag wins over its variable, a variable over the default, LLM_ over OPENAI_."""
-        both = agent.load_config([], {"LLM_MODEL": "mine", "OPENAI_MODEL": "theirs"})
-        self.assertEqual(both.model, "mine")
-        env = {"LLM_URL": "http://env:1/v1", "OPENAI_BASE_URL": "http://openai:1/v1",
-               "OPENAI_MODEL": "m-openai", "LLM_TIMEOUT": "7", "MAX_TURNS": "3"}
-        cfg = agent.load_config(["--url", "http://flag:1/v1/", "--max-turns", "5"], env)
-        self.assertEqual((cfg.url, cfg.model, cfg.timeout, cfg.max_turns),
-                         ("http://flag:1/v1", "m-openai", 7.0, 5))
-        cfg = agent.load_config([], {"OPENAI_BASE_URL": "http://openai:1/v1/chat/completions"})
-        self.assertEqual((cfg.url, cfg.max_tokens, cfg.max_turns, cfg.api_key),
-                         ("http://openai:1/v1", 4096, 20, ""))
-        self.assertEqual(agent.load_config([], {}).url, "http://127.0.0.1:8080/v1")
-
-    def test_bad_settings_are_usage_errors(self):
-        """A bad value is a UsageError (exit 2) that names the setting."""
-        for argv, env, named in ((["--timeout", "soon"], {}, "LLM_TIMEOUT"),
-                                 ([], {"MAX_TURNS": "0"}, "MAX_TURNS"),
-                                 ([], {"LLM_MAX_TOKENS": "-1"}, "LLM_MAX_TOKENS"),
-                                 ([], {"LLM_URL": "localhost:8080"}, "LLM_URL"),
-                                 (["--root", "/no/such/dir"], {}, "AGENT_ROOT"),
-                                 (["--bogus"], {}, "--bogus")):
-            with self.assertRaises(agent.UsageError) as caught:
-                agent.load_config(argv, env)
-            self.assertIn(named, str(caught.exception))
-            self.assertEqual(caught.exception.exit_code, 2)
-
+# ==============================================================================================
+# PART I — THE AGENT
+# ==============================================================================================
+# Each section below tests the section of agent.py with the same number; the loop's own
+# promises come first, as the loop does in agent.py.
 
 # ----------------------------------------------------------------------------------------------
-# 4. Tools and the sandbox
+# 3. The loop
 # ----------------------------------------------------------------------------------------------
 
-class SandboxTest(unittest.TestCase):
+class LoopTest(unittest.TestCase):
+    """The loop's promises: what it does with a reply, and when it stops."""
 
-    def test_paths_outside_the_root_are_refused(self):
-        """'..', absolute paths and symlinks that point out are refused, by every reading tool."""
-        for name, args in (("read_file", {"path": "../outside/secret.txt"}),
-                           ("read_file", {"path": os.path.join(OUTSIDE, "secret.txt")}),
-                           ("read_file", {"path": "link_out.txt"}),
-                           ("read_file", {"path": "dir_out/secret.txt"}),
-                           ("list_dir", {"path": "dir_out"}),
-                           ("search", {"pattern": "secret", "path": "dir_out"})):
-            result = execute(name, **args)
-            self.assertTrue(result.startswith("error: outside_root:"), result)
-            self.assertNotIn("the secret", result)
+    def test_a_tool_error_goes_back_to_the_model(self):
+        """A tool error is sent back to the model, not raised, and the loop goes on."""
+        run = run_agent([calls(tool_call("read_file", path="nope.py")), reply("it is missing")])
+        self.assertEqual(run.answer, "it is missing")
+        self.assertTrue(run.bodies[1]["messages"][-1]["content"].startswith("error: not_found"))
+        self.assertIn("⚙ read_file", run.stderr)
 
-    def test_where_an_outside_path_leads_is_not_told(self):
-        """An outside_root error does not say where a link or /proc/self/exe resolves to."""
-        for path in ("link_out.txt", "dir_out/secret.txt", "/proc/self/exe", "../outside"):
-            result = execute("read_file", path=path)
-            self.assertTrue(result.startswith("error: outside_root:"), result)
-            self.assertNotIn(OUTSIDE, result)
-            self.assertNotIn(os.path.realpath(sys.executable), result)
+    def test_stops_when_no_tool_is_called(self):
+        """A reply without tool calls is the answer: one request, nothing more."""
+        run = run_agent([reply("at once")])
+        self.assertEqual((run.answer, len(run.bodies)), ("at once", 1))
 
-    def test_search_does_not_follow_links_out(self):
-        """A search of the whole root does not read through a symlink that points out."""
-        self.assertNotIn("secret", execute("search", pattern="TODO"))
+    def test_max_turns_ends_with_an_answer_without_tools(self):
+        """At MAX_TURNS one last request forbids tools (same tools list) and asks for an answer."""
+        script = [calls(tool_call("read_file", path="big.txt", offset=n)) for n in (1, 2, 3)]
+        run = run_agent(script + [reply("best effort")], "q", "--max-turns", "3")
+        self.assertEqual(run.answer, "best effort")
+        self.assertEqual(len(run.bodies), 4)
+        last = run.bodies[-1]
+        self.assertEqual(last["tool_choice"], "none")
+        self.assertEqual(last["tools"], run.bodies[0]["tools"])
+        self.assertIn("Do not call tools", last["messages"][-1]["content"])
+        self.assertNotIn("tool_choice", run.bodies[0])
 
-    def test_absolute_path_inside_the_root_is_fine(self):
-        """An absolute path that stays inside the root is as good as a relative one."""
-        self.assertIn("def greet", execute("read_file", path=os.path.join(WORK, "hello.py")))
+    def test_final_answer_drops_calls_a_server_sends_anyway(self):
+        """If the final reply still calls tools, they are not run and the transcript stays valid."""
+        run = run_agent([calls(tool_call("list_dir")), calls(tool_call("list_dir", path="src"),
+                                                             content="partial")],
+                        "q", "--max-turns", "1")
+        self.assertEqual(run.answer, "partial")
+        self.assertNotIn("tool_calls", run.session.messages[-1])
+        assert_valid(self, run.session.messages)
 
+    def test_repeated_calls_in_one_reply_are_refused_then_end_the_turn(self):
+        """In one reply, the same call a third time gets an error; a fourth ends the turn with
+        an answer."""
+        same = [tool_call("list_dir", path="src") for _ in range(4)]
+        run = run_agent([calls(*same, tool_call("list_dir")), reply("giving up")])
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertIn("app.py", results[0])
+        self.assertEqual(results[1], agent.UNCHANGED.format("list_dir", same[0]["id"]))
+        self.assertTrue(results[2].startswith("error: repeated_call:"))
+        self.assertTrue(results[3].startswith("error: repeated_call:"))
+        self.assertIn("hello.py", results[4])
+        self.assertEqual(run.answer, "giving up")
+        self.assertEqual(run.bodies[-1]["tool_choice"], "none")
+        self.assertEqual(len(run.bodies), 2)
+        assert_valid(self, run.session.messages)
 
-def git_index(*names):
-    """A git index (version 2) that lists names, whatever they are: git itself refuses to
-    write '../x', but a repository's files can be made by hand."""
-    entries = b""
-    for name in sorted(n.encode() for n in names):
-        entry = struct.pack(">10I", 0, 0, 0, 0, 0, 0, 0o100644, 0, 0, 0) + bytes(20) + \
-            struct.pack(">H", len(name)) + name
-        entries += entry + b"\0" * (8 - len(entry) % 8)
-    data = b"DIRC" + struct.pack(">II", 2, len(names)) + entries
-    return data + hashlib.sha1(data).digest()
+    def test_the_request_prefix_is_stable(self):
+        """Each request starts with the exact bytes of the one before: a server's cache holds."""
+        run = run_agent([calls(tool_call("list_dir")), calls(tool_call("search", pattern="x")),
+                         calls(tool_call("read_file", path="hello.py")), reply("done")])
+        for before, after in zip(run.bodies, run.bodies[1:]):
+            n = len(before["messages"])
+            self.assertEqual(json.dumps(after["messages"][:n]), json.dumps(before["messages"]))
+            self.assertEqual(json.dumps(after["tools"]), json.dumps(before["tools"]))
+            self.assertEqual(set(after) - {"messages"}, set(before) - {"messages"})
 
+    def test_an_interruption_leaves_the_transcript_valid(self):
+        """Ctrl+C during a tool answers every open call and closes the turn."""
+        def interrupt(root, **args):
+            raise KeyboardInterrupt
+        with unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"search": interrupt}):
+            with CannedServer([calls(tool_call("list_dir"), tool_call("search", pattern="x"),
+                                     tool_call("find_files", pattern="*"))]) as server:
+                session = agent.new_session(config(server.url))
+                with contextlib.redirect_stderr(io.StringIO()):
+                    with self.assertRaises(KeyboardInterrupt):
+                        agent.run_turn(session, "q")
+                    time.sleep(0.1)   # the reads that were running finish, quietly
+        assert_valid(self, session.messages)
+        self.assertEqual([m["content"][:18] for m in session.messages[-3:]],
+                         ["error: interrupted", "error: interrupted", "[interrupted by th"])
 
-class GitTrustTest(unittest.TestCase):
-    """A repository's git metadata is the repository's to write: nothing it says may make a
-    tool read outside the workspace."""
-
-    def setUp(self):
-        self.root = tempfile.mkdtemp(prefix="hostile-")
-        self.addCleanup(shutil.rmtree, self.root)
-        self.cfg = dataclasses.replace(CFG, root=self.root, ripgrep="")   # the Python scan
-        self.escape = os.path.relpath(os.path.join(OUTSIDE, "secret.txt"), self.root)
-
-    def hostile(self, folder, bare):
-        """folder made a repository whose index lists files outside the workspace: a bare one
-        committed as ordinary files (what a clone can deliver), or a .git of its own."""
-        git = os.path.join(self.root, folder, "" if bare else ".git")
-        subprocess.run(["git", "init", "-q", "--bare", git], check=True)
-        with open(os.path.join(git, "config"), "a") as f:
-            f.write("[core]\n\tbare = false\n\tworktree = %s\n" % ("." if bare else ".."))
-        up = os.path.relpath(self.root, os.path.join(self.root, folder))
-        with open(os.path.join(git, "index"), "wb") as f:
-            f.write(git_index(os.path.normpath(os.path.join(up, self.escape)), "/etc/hostname",
-                              ".git/config", "ok.txt"))
-        with open(os.path.join(self.root, folder, "ok.txt"), "w") as f:
-            f.write("the secret is not here\n")
-
-    def test_a_crafted_index_reads_nothing_outside(self):
-        """An index listing '../../outside/secret.txt' (in a bare repository made of plain
-        files, or a nested .git) is not followed by search or find_files, from any folder."""
-        self.hostile("sub", bare=True)
-        self.hostile("nested", bare=False)
-        for folder in ("sub", "nested", "."):
-            for pattern in (r"secret(?= )", "secret"):   # Python only, or rg if it has it
-                for ripgrep in ("", CFG.ripgrep):
-                    found = agent.execute(dataclasses.replace(self.cfg, ripgrep=ripgrep),
-                                          "search", json.dumps({"pattern": pattern,
-                                                                "path": folder}))
-                    self.assertNotIn("the secret\n", found + "\n")
-                    self.assertNotIn("TODO", found)
-                    self.assertNotIn("..", found)
-        listed = agent.execute(self.cfg, "find_files", json.dumps({"pattern": "*"}))
-        self.assertNotIn("secret.txt", listed)
-        self.assertNotIn("..", listed)
-        self.assertIn("nested/ok.txt", listed)
-
-    def test_git_finds_no_bare_repository_in_plain_files(self):
-        """A folder that looks like a bare repository is just a folder to git_files, and so
-        is a workspace that is one at its top (a downloaded ZIP)."""
-        self.hostile("sub", bare=True)
-        self.assertNotIn(self.escape,
-                         agent.git_files(os.path.join(self.root, "sub"), CFG.shell_env) or [])
-        self.hostile(".", bare=True)
-        self.assertIsNone(agent.git_files(self.root, CFG.shell_env))
-        found = agent.execute(self.cfg, "search", json.dumps({"pattern": r"secret(?= )"}))
-        self.assertNotIn("TODO", found)
-        self.assertFalse(agent.plain_name("../x") or agent.plain_name("/etc/passwd") or
-                         agent.plain_name("a/../../x") or agent.plain_name(".git/config"))
-        self.assertTrue(agent.plain_name("a/b.txt") and agent.plain_name("nested/"))
+    def test_a_failed_request_leaves_the_transcript_valid(self):
+        """A turn that ends with a server error leaves a transcript the next turn can use."""
+        with CannedServer([calls(tool_call("list_dir")), {"status": 401}, reply("again")]) as s:
+            session = agent.new_session(config(s.url))
+            with contextlib.redirect_stderr(io.StringIO()):
+                with self.assertRaises(agent.Fatal):
+                    agent.run_turn(session, "q")
+                self.assertEqual(agent.run_turn(session, "q2"), "again")
+            roles = [m["role"] for m in s.bodies()[-1]["messages"]]
+        self.assertEqual(roles, ["system", "user", "assistant", "tool", "assistant", "user"])
+        assert_valid(self, session.messages)
 
 
-class ToolsTest(unittest.TestCase):
-
-    def test_list_dir(self):
-        """Entries sorted, directories marked with '/', files with sizes, links with targets."""
-        rows = execute("list_dir").splitlines()
-        self.assertEqual(rows[0], "big.txt  (8.7 KB)")
-        self.assertIn("src/", rows)
-        self.assertIn("dir_out -> " + OUTSIDE, rows)
-        self.assertEqual(rows, sorted(rows))
-
-    def test_list_dir_is_capped(self):
-        """A directory of 250 entries shows 200 and says how many more there are."""
-        many = os.path.join(WORK, "many")
-        os.mkdir(many)
-        self.addCleanup(subprocess.run, ["rm", "-rf", many])
-        for i in range(250):
-            open(os.path.join(many, "f%03d" % i), "w").close()
-        rows = execute("list_dir", path="many").splitlines()
-        self.assertEqual(len(rows), 201)
-        self.assertIn("50 more entries", rows[-1])
-
-    def test_read_file_window(self):
-        """Numbered lines from offset, and a header saying which of how many, and what next."""
-        result = execute("read_file", path="big.txt", offset=10, limit=3)
-        self.assertEqual(result.splitlines(), [
-            "[lines 10-12 of 1,000 in big.txt; continue with offset=13]",
-            "    10\tline 10", "    11\tline 11", "    12\tline 12"])
-        whole = execute("read_file", path="hello.py")
-        self.assertTrue(whole.startswith("     1\tdef greet(name):"), whole)   # no header
-
-    def test_read_file_last_line_without_newline_and_past_the_end(self):
-        """A last line without a newline counts; an offset past the end says the range."""
-        with open(os.path.join(WORK, "short.txt"), "wb") as f:
-            f.write(b"one\r\ntwo\r\nthree")
-        self.assertEqual(execute("read_file", path="short.txt", offset=3),
-                         "[lines 3-3 of 3 in short.txt]\n     3\tthree")
-        self.assertIn("error: offset_past_end: 'short.txt' has 3 lines",
-                      execute("read_file", path="short.txt", offset=9))
-
-    def test_read_file_cuts_long_lines_and_reads_any_encoding(self):
-        """A 100,000-character line is cut; latin-1 bytes become replacement characters."""
-        with open(os.path.join(WORK, "wide.txt"), "wb") as f:
-            f.write(b"x" * 100_000 + b"\ncaf\xe9\n")
-        result = execute("read_file", path="wide.txt")
-        self.assertLess(len(result), 1000)
-        self.assertIn("… [line cut]", result)
-        self.assertIn("caf\ufffd", result)
-
-    def test_read_file_refuses_binary_directories_and_fifos(self):
-        """Binary files, directories and FIFOs each get their own error, and nothing blocks."""
-        self.assertTrue(execute("read_file", path="image.png").startswith("error: binary_file:"))
-        self.assertTrue(execute("read_file", path="src").startswith("error: is_a_directory:"))
-        fifo = os.path.join(WORK, "pipe")
-        os.mkfifo(fifo)
-        self.addCleanup(os.unlink, fifo)
-        self.assertTrue(execute("read_file", path="pipe").startswith(
-            "error: not_a_regular_file:"))
-        self.assertIn("TODO", execute("search", pattern="TODO"))   # the search skips it
-        self.assertIn("pipe  (not a regular file)", execute("list_dir"))
-
-    def test_read_file_on_a_large_file_reads_the_window_only(self):
-        """Reading near the end of a 30 MB file counts all its lines and shows the window."""
-        path = os.path.join(WORK, "large.log")
-        self.addCleanup(os.unlink, path)
-        with open(path, "wb") as f:
-            f.write(("y" * 99 + "\n").encode() * 300_000)
-        result = execute("read_file", path="large.log", offset=299_999)
-        self.assertEqual(result.splitlines()[0],
-                         "[lines 299999-300000 of 300,000 in large.log]")
-
-    def test_search_rows_and_no_match(self):
-        """Matches come as path:line: text rows; no match is a normal result, not an error."""
-        self.assertEqual(execute("search", pattern="TODO").splitlines(),
-                         ["src/app.py:4: hello.greet('app')  # TODO: config",
-                          "src/notes.txt:1: TODO: write docs"])
-        self.assertEqual(execute("search", pattern="TODO", glob="*.py"),
-                         "src/app.py:4: hello.greet('app')  # TODO: config")
-        self.assertTrue(execute("search", pattern="nothing_like_this").startswith(
-            "no matches for 'nothing_like_this'"))
-
-    def test_search_matches_line_by_line(self):
-        """^ and $ anchor at lines, and a pattern never matches across a line break."""
-        self.assertEqual(execute("search", pattern="^line two$", path="src"),
-                         "src/notes.txt:2: line two")
-        self.assertIn("no matches", execute("search", pattern=r"docs\sline", path="src"))
-        self.assertEqual(execute("search", pattern=r"\Aline t", path="src"),
-                         "src/notes.txt:2: line two")
-
-    def test_search_is_capped_but_counts_everything(self):
-        """1,000 matches: 100 rows shown, all counted, and a hint to narrow."""
-        rows = execute("search", pattern="^line", path="big.txt").splitlines()
-        self.assertEqual(len(rows), 101)
-        self.assertIn("100 of 1,000 matches shown", rows[-1])
-
-    def test_search_honours_gitignore(self):
-        """Inside a git repository, what .gitignore ignores is not searched, nor .git."""
-        repo = os.path.join(WORK, "repo")
-        os.makedirs(os.path.join(repo, "build"))
-        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
-        subprocess.run(["git", "init", "-q", repo], check=True)
-        for name, text in ((".gitignore", "build/\n"), ("kept.c", "needle\n"),
-                           ("build/out.c", "needle\n")):
-            with open(os.path.join(repo, name), "w") as f:
-                f.write(text)
-        self.assertEqual(execute("search", pattern="needle", path="repo"), "repo/kept.c:1: needle")
-        self.assertTrue(execute("search", pattern="refs/heads", path="repo").startswith(
-            "no matches"))   # .git/HEAD holds it
-        self.assertEqual(execute("find_files", pattern="*.c"), "repo/kept.c")
-
-    def test_find_files(self):
-        """A glob with '**' spans directories; without '/' it matches names at any depth."""
-        self.assertEqual(execute("find_files", pattern="*.py").splitlines(),
-                         ["hello.py", "src/app.py"])
-        self.assertEqual(execute("find_files", pattern="src/**/*.{py,txt}").splitlines(),
-                         ["src/app.py", "src/notes.txt"])
-        self.assertEqual(execute("find_files", pattern="**/app.py"), "src/app.py")
-        self.assertTrue(execute("find_files", pattern="*.rs").startswith("no files match"))
-
+# ----------------------------------------------------------------------------------------------
+# 1. What the model reads
+# ----------------------------------------------------------------------------------------------
 
 class PromptTest(unittest.TestCase):
 
@@ -641,344 +491,9 @@ class PromptTest(unittest.TestCase):
                                         agent.new_session(CFG).tools])
 
 
-class RipgrepTest(unittest.TestCase):
-    PATTERNS = ["needle", "^needle$", "need(le|ful)", r"\bword\b", "é", "(?i)NEEDLE", "n.e",
-                "[0-9]+", "a{,3}b", "(?<=x)needle", "tail$", "nothing at all", r"foo[\t-\r]bar",
-                "^hello", "late", "a*+a", "[[:alpha:]]x"]
-
-    def test_the_same_rows_with_and_without_ripgrep(self):
-        """rg, where installed, finds exactly the rows Python finds: .gitignore, hidden files,
-        a nested repository, CRLF, latin-1, binary files, links and globs all alike."""
-        ripgrep = shutil.which("rg")
-        if not ripgrep:
-            self.skipTest("ripgrep is not installed here; .ci/run installs it where it can")
-        repo = tempfile.mkdtemp(dir=WORK, prefix="rg-")
-        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
-        subprocess.run(["git", "init", "-q", repo], check=True)
-        files = {".gitignore": b"build/\n*.log\n", "a.py": b"needle\nword needful 42\n",
-                 ".hidden.py": b"xneedle\n", "build/out.py": b"needle\n", "x.log": b"needle\n",
-                 "crlf.txt": b"tail\r\nneedle\r\n", "latin.txt": b"caf\xe9 needle aab\n",
-                 "bin.dat": b"needle\0\n", "deep/er/n.py": b"NEEDLE\nnine\n",
-                 "inner/.git/HEAD": b"ref: refs/heads/main\n", "inner/i.py": b"needle\n",
-                 "unicode.txt": "é needle\n".encode(), "cross.txt": b"foo\nbar\n",
-                 "bom.txt": b"\xef\xbb\xbfhello\n", "late_nul.txt": b"late\n" * 30000 + b"\0",
-                 "late\nnul.txt": b"late\n" * 30000 + b"\0",
-                 "w: WARNING: stopped searching binary file\nc.txt": b"needle\n",
-                 "new\nline.txt": b"needle\n", b"caf\xe9.txt".decode(errors="surrogateescape"):
-                 b"needle\n"}
-        for name, data in files.items():
-            os.makedirs(os.path.dirname(os.path.join(repo, name)), exist_ok=True)
-            with open(os.path.join(repo, name), "wb") as f:
-                f.write(data)
-        subprocess.run(["git", "init", "-q", os.path.join(repo, "inner")], check=True)
-        os.symlink("a.py", os.path.join(repo, "link.py"))
-        rel = os.path.basename(repo)
-        for pattern in self.PATTERNS:
-            for glob in (None, "*.py", "deep/**", "*.log", "*", "%s/deep/**" % rel):
-                with self.subTest(pattern=pattern, glob=glob):
-                    args = {"pattern": pattern, "path": rel, "glob": glob}
-                    fast = agent.execute(dataclasses.replace(CFG, ripgrep=ripgrep), "search",
-                                         json.dumps(args))
-                    slow = agent.execute(dataclasses.replace(CFG, ripgrep=""), "search",
-                                         json.dumps(args))
-                    self.assertEqual(fast, slow)
-        everything = agent.execute(CFG, "search", json.dumps({"pattern": "needle", "path": rel}))
-        self.assertNotIn("build/", everything)
-        self.assertIn(rel + "/inner/i.py:1: needle", everything)
-        self.assertIn(rel + "/.hidden.py:1: xneedle", everything)
-        self.assertNotIn("x.log", agent.execute(CFG, "search", json.dumps(
-            {"pattern": "needle", "path": rel, "glob": "*.log"})))
-
-
-    def test_ripgrep_lines_whatever_the_names(self):
-        """rg's lines are read right when a name holds a newline, or words like rg's warning,
-        and a warning drops the matches of its file only, whichever file comes next."""
-        warning = b': WARNING: stopped searching binary file after match (found "\\0" byte ' \
-                  b'around offset 70000)\n'
-        lines = [b"./x.txt\x001:x first\n", b"./a\n", b"z\x001:x late\n", b"./a\n", b"z" + warning,
-                 b"./b: WARNING: stopped searching binary file\n", b"c\x002:x second\n",
-                 b"./d.txt\x003:x third\n", b"./d.txt" + warning, b"./e.txt\x004:x fourth\n"]
-        process = unittest.mock.Mock(stdout=io.BytesIO(b"".join(lines[1:])))
-        found = list(agent.read_ripgrep(WORK, WORK, process, lines[0], None))
-        self.assertEqual(found, [("x.txt", 1, "x first"),
-                                 ("b: WARNING: stopped searching binary file\nc", 2, "x second"),
-                                 ("e.txt", 4, "x fourth")])
-        process.kill.assert_called_once_with()
-
-
-class ChangingTest(unittest.TestCase):
-
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(dir=WORK, prefix="changes-")
-        self.rel = os.path.basename(self.dir)
-        self.addCleanup(subprocess.run, ["rm", "-rf", self.dir])
-
-    def path(self, name, data=None):
-        """The workspace-relative path of name in this test's folder; written first if data."""
-        if data is not None:
-            with open(os.path.join(self.dir, name), "wb") as f:
-                f.write(data)
-        return self.rel + "/" + name
-
-    def read(self, name):
-        with open(os.path.join(self.dir, name), "rb") as f:
-            return f.read()
-
-    def test_write_file_makes_directories_and_keeps_newlines(self):
-        """write_file creates missing directories and writes the text as given, CRLF and all."""
-        result = execute("write_file", path=self.path("new/deep/x.txt"), content="a\r\nb\n")
-        self.assertEqual(result, "created %s: 2 lines, 5 B" % self.path("new/deep/x.txt"))
-        self.assertEqual(self.read("new/deep/x.txt"), b"a\r\nb\n")
-
-    def test_writes_never_leave_the_root(self):
-        """Through a link to a file, to a folder, a dangling link or '..': refused, untouched."""
-        os.symlink(os.path.join(OUTSIDE, "secret.txt"), os.path.join(self.dir, "file_out"))
-        os.symlink(OUTSIDE, os.path.join(self.dir, "dir_out"))
-        os.symlink(os.path.join(OUTSIDE, "planted.txt"), os.path.join(self.dir, "dangling"))
-        before = sorted(os.listdir(OUTSIDE))
-        for name, args in (("write_file", {"path": self.path("file_out"), "content": "x"}),
-                           ("write_file", {"path": self.path("dir_out/new.txt"), "content": "x"}),
-                           ("write_file", {"path": self.path("dangling"), "content": "x"}),
-                           ("write_file", {"path": "../outside/new.txt", "content": "x"}),
-                           ("edit_file", {"path": self.path("file_out"), "old": "TODO",
-                                          "new": "x"}),
-                           ("edit_file", {"path": self.path("dir_out/secret.txt"),
-                                          "old": "TODO", "new": "x"})):
-            with self.subTest(name=name, args=args):
-                self.assertTrue(execute(name, **args).startswith("error: outside_root:"))
-        self.assertEqual(sorted(os.listdir(OUTSIDE)), before)
-        with open(os.path.join(OUTSIDE, "secret.txt")) as f:
-            self.assertEqual(f.read(), "TODO: the secret\n")
-
-    def test_edit_replaces_the_one_occurrence(self):
-        """edit_file changes the one match and shows the edited lines, numbered."""
-        path = self.path("a.py", b"def f(x):\n    return x + 1\n\nprint(f(1))\n")
-        result = execute("edit_file", path=path, old="x + 1", new="x + 2")
-        self.assertEqual(result, "edited %s; line 2 now reads:\n     1\tdef f(x):\n"
-                         "     2\t    return x + 2\n     3\t\n     4\tprint(f(1))" % path)
-        self.assertEqual(self.read("a.py"), b"def f(x):\n    return x + 2\n\nprint(f(1))\n")
-
-    def test_edit_with_zero_or_two_matches_changes_nothing(self):
-        """Zero matches: the closest lines; two: where they are; the file is not touched."""
-        text = b"alpha = 1\nbeta = alpha + 1\ngamma = 3\n"
-        path = self.path("m.py", text)
-        none = execute("edit_file", path=path, old="betta = alpha + 2", new="x")
-        self.assertTrue(none.startswith("error: no_match:"), none)
-        self.assertIn("The closest lines are:\n     2\tbeta = alpha + 1", none)
-        two = execute("edit_file", path=path, old="alpha", new="x")
-        self.assertTrue(two.startswith("error: several_matches: old occurs 2 times"), two)
-        self.assertIn("(lines 1, 2)", two)
-        self.assertEqual(self.read("m.py"), text)
-        self.assertTrue(execute("edit_file", path=path, old="", new="x").startswith(
-            "error: bad_argument:"))
-
-    def test_edit_keeps_crlf_and_bytes_that_are_not_utf8(self):
-        """old written with \\n matches a CRLF file; a latin-1 byte elsewhere survives."""
-        path = self.path("w.txt", b"caf\xe9\r\none\r\ntwo\r\n")
-        self.assertTrue(execute("edit_file", path=path, old="one\ntwo", new="1\n2").startswith(
-            "edited"))
-        self.assertEqual(self.read("w.txt"), b"caf\xe9\r\n1\r\n2\r\n")
-
-    def test_a_path_swapped_for_a_link_before_the_yes_is_not_written(self):
-        """If a folder becomes a link out while the user decides, the write does not happen."""
-        os.mkdir(os.path.join(self.dir, "swap"))
-
-        def swap_then_allow(name, args, preview):
-            os.rename(os.path.join(self.dir, "swap"), os.path.join(self.dir, "swapped"))
-            os.symlink(OUTSIDE, os.path.join(self.dir, "swap"))
-            return True, ""
-        result = agent.execute(CFG, "write_file", json.dumps(
-            {"path": self.path("swap/planted.txt"), "content": "x"}), approve=swap_then_allow)
-        self.assertTrue(result.startswith("error: outside_root:"), result)
-        self.assertFalse(os.path.exists(os.path.join(OUTSIDE, "planted.txt")))
-
-    def test_the_preview_shows_every_byte_that_changes(self):
-        """CRLF to LF and a dropped last newline show in the diff; nothing is '(no change)'."""
-        previews = []
-
-        def look(name, args, plan):
-            previews.append(plan.preview)
-            return False, "just looking"
-        path = self.path("crlf.txt", b"a\r\nb\r\n")
-        agent.execute(CFG, "write_file", json.dumps({"path": path, "content": "a\nb"}),
-                      approve=look)
-        self.assertIn("-a\r\n", previews[0])
-        self.assertIn("+b\n\\ No newline at end of file", previews[0])
-        self.assertEqual(self.read("crlf.txt"), b"a\r\nb\r\n")
-
-    def test_bad_writes_are_named(self):
-        """A folder path, a lone surrogate, an empty file and a NUL in a command each get a
-        clear result, not a crash."""
-        self.assertTrue(execute("write_file", path=self.path("dir/"), content="x").startswith(
-            "error: bad_path:"))
-        self.assertTrue(execute("write_file", path=self.path("s.txt"), content="\ud83d")
-                        .startswith("error: bad_content:"))
-        self.assertEqual(execute("write_file", path=self.path("empty.txt"), content=""),
-                         "created %s: 0 lines, 0 B" % self.path("empty.txt"))
-        self.assertTrue(execute("run_shell", command="echo \0").startswith("error: bad_argument"))
-        crlf = self.path("c.txt", b"a\r\nb\r\nc\r\n")
-        execute("edit_file", path=crlf, old="a\nb", new="A\r\nB")
-        self.assertEqual(self.read("c.txt"), b"A\r\nB\r\nc\r\n")
-
-    def test_processes_that_leave_the_group_are_killed_too(self):
-        """setsid and job control take a process out of the group; it is still killed."""
-        naptime = "%.4f" % (300 + random.random())
-        for command in ("setsid sleep %s &" % naptime, "set -m; sleep %s & echo" % naptime):
-            with self.subTest(command=command):
-                self.assertTrue(execute("run_shell", command=command).startswith("exit code 0"))
-                survivors = subprocess.run(["pgrep", "-f", "sleep " + naptime],
-                                           capture_output=True)
-                self.assertEqual(survivors.stdout, b"")
-
-    def test_shell_timeout_kills_what_it_started(self):
-        """A command that times out is killed with all it started, `sleep &` included."""
-        naptime = "%.4f" % (200 + random.random())
-        result = execute("run_shell", command="sleep %s & sleep %s" % (naptime, naptime),
-                         timeout=1)
-        self.assertTrue(result.startswith("timed out after 1 s; the command and all it started "
-                                          "were killed"), result)
-        survivors = subprocess.run(["pgrep", "-f", "sleep " + naptime], capture_output=True)
-        self.assertEqual(survivors.stdout, b"")
-
-    def test_shell_output_over_the_cap_keeps_head_and_tail(self):
-        """Long output keeps its beginning and its end, and says how much was cut."""
-        result = execute("run_shell", command="seq 1 100000")
-        self.assertTrue(result.startswith("exit code 0\n1\n2\n3\n"), result[:40])
-        self.assertTrue(result.endswith("99999\n100000\n"), result[-40:])
-        self.assertIn("bytes of output cut here", result)
-        self.assertLessEqual(len(result), agent.RESULT_CAP)
-
-    def test_shell_runs_in_the_root_with_no_input_and_no_key(self):
-        """Commands run in the root, read an empty stdin, and never see the API key."""
-        cfg = agent.load_config(["--root", WORK], {"PATH": os.environ["PATH"],
-                                                   "LLM_API_KEY": "sk-hidden", "COPY": "sk-hidden"})
-        result = agent.execute(cfg, "run_shell", json.dumps(
-            {"command": "pwd; cat; env | grep -c sk-hidden; exit 3"}))
-        self.assertEqual(result, "exit code 3\n%s\n0\n" % WORK)
-        self.assertTrue(execute("run_shell", command="true", timeout=601).startswith(
-            "error: bad_argument: timeout must be 1 to 600 seconds"))
-
-
 # ----------------------------------------------------------------------------------------------
 # 5. The executor: every failure becomes text
 # ----------------------------------------------------------------------------------------------
-
-class SearchEdgesTest(unittest.TestCase):
-
-    def setUp(self):
-        agent.TOOL_SECONDS, self.saved = 2, agent.TOOL_SECONDS   # a runaway tool fails the test
-
-    def tearDown(self):
-        agent.TOOL_SECONDS = self.saved
-
-    def write(self, name, data):
-        path = os.path.join(WORK, name)
-        with open(path, "wb") as f:
-            f.write(data)
-        self.addCleanup(os.unlink, path)
-
-    def test_lines_are_lines(self):
-        """No phantom line after the last; CRLF lines end before the CR; lookaheads see a line."""
-        self.write("two.txt", b"a\n\nb\n")
-        self.write("crlf.txt", b"ab\r\nx; y\r\n")
-        self.assertEqual(execute("search", pattern="^$", path="two.txt"), "two.txt:2: ")
-        self.assertEqual(execute("search", pattern="b$", path="crlf.txt"), "crlf.txt:1: ab")
-        self.write("semi.txt", b"x;\ny; z\n")
-        self.assertEqual(execute("search", pattern=r";(?!\s)", path="semi.txt"), "semi.txt:1: x;")
-        self.write("last.txt", b"a\nb")
-        self.assertEqual(execute("search", pattern="$", path="last.txt"),
-                         "last.txt:1: a\nlast.txt:2: b")
-        self.assertEqual(execute("search", pattern=r"\Ab", path="last.txt"), "last.txt:2: b")
-
-    def test_patterns_that_cross_lines_stay_fast(self):
-        """A pattern whose matches would span lines is searched line by line, not rescanned."""
-        self.write("as.txt", b"a\n" * 100_000)
-        self.assertTrue(execute("search", pattern="a[^z]*z", path="as.txt").startswith(
-            "no matches"))
-
-    def test_a_runaway_regex_is_stopped(self):
-        """Catastrophic backtracking ends as a timeout error, not a hang."""
-        self.write("aaa.txt", b"a" * 40 + b"b\n")
-        agent.TOOL_SECONDS = 0.3
-        self.assertTrue(execute("search", pattern="(a+)+$", path="aaa.txt").startswith(
-            "error: timeout:"))
-
-    def test_globs(self):
-        """Nested braces expand, many stars do not backtrack, a bad bracket is a bad_glob."""
-        self.write("a" * 200, b"")
-        self.assertEqual(execute("find_files", pattern="*.{py,{txt,md}}").splitlines(),
-                         ["big.txt", "hello.py", "link_out.txt", "src/app.py", "src/notes.txt"])
-        self.assertEqual(execute("find_files", pattern="./*.py"), "hello.py")
-        self.assertTrue(execute("find_files", pattern="*a*a*a*a*a*a*a*b").startswith("no files"))
-        bad_range = execute("find_files", pattern="[z-a]*")   # Python 3.9 refuses it, 3.11 not
-        self.assertTrue(bad_range.startswith(("error: bad_glob:", "no files match")), bad_range)
-
-    def test_a_file_that_grows_while_it_is_read_is_read_to_its_end(self):
-        """Lines appended between the size check and the read are read whole, not cut."""
-        name = os.path.join(WORK, "growing.log")
-        self.addCleanup(os.unlink, name)
-        with open(name, "wb") as f:
-            f.write(b"x first\n" + b"a" * 9000 + b"\n")
-        real_fstat = os.fstat
-
-        def fstat_then_append(fd):
-            """The size as it is, then more written at once, as a logger would."""
-            size = real_fstat(fd)
-            with open(name, "ab") as f:
-                f.write(b"x appended line\n")
-            return size
-        with unittest.mock.patch.object(agent.os, "fstat", fstat_then_append):
-            found = list(agent.scan_file(name, re.compile("x")))
-        self.assertEqual(found, [(1, "x first"), (3, "x appended line")])
-
-    def test_a_fifo_swapped_in_with_a_writer_reads_as_empty(self):
-        """A FIFO in a file's place, held open by a writer that writes nothing, neither blocks
-        the scan nor breaks it."""
-        fifo = os.path.join(tempfile.mkdtemp(dir=WORK), "swapped")
-        self.addCleanup(shutil.rmtree, os.path.dirname(fifo))
-        os.mkfifo(fifo)
-        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # so that the writer can open
-        writer = os.open(fifo, os.O_WRONLY)
-        self.addCleanup(os.close, reader)
-        self.addCleanup(os.close, writer)
-        self.assertEqual(list(agent.scan_file(fifo, re.compile("x"))), [])
-
-    def test_a_huge_sparse_file_is_stopped_in_a_thread_too(self):
-        """read_file far into a sparse file, in a reader thread (where no alarm reaches),
-        stops at the time limit instead of counting a terabyte of lines."""
-        path = os.path.join(WORK, "sparse.bin")
-        with open(path, "wb") as f:
-            f.write(b"text\n" * 2000)
-            f.truncate(1 << 40)
-        self.addCleanup(os.unlink, path)
-        agent.TOOL_SECONDS, results = 0.2, []
-        reader = threading.Thread(target=lambda: results.append(
-            execute("read_file", path="sparse.bin", offset=10 ** 9)), daemon=True)
-        reader.start()
-        reader.join(5)
-        self.assertFalse(reader.is_alive(), "read_file ran past its time limit")
-        self.assertTrue(results[0].startswith("error: timeout:"), results[0])
-
-    def test_symlinked_directory_in_a_git_index_is_not_followed(self):
-        """A file git lists under a directory since replaced by a link out is not read, by rg
-        or by Python, however deep the file below the link."""
-        repo, outside = os.path.join(WORK, "trap"), tempfile.mkdtemp()
-        self.addCleanup(subprocess.run, ["rm", "-rf", repo, outside])
-        for name in ("etc/secret.txt", "deep/er/secret.txt"):
-            for top in (repo, outside):
-                os.makedirs(os.path.dirname(os.path.join(top, name)), exist_ok=True)
-                with open(os.path.join(top, name), "w") as f:
-                    f.write("the secret\n")
-        subprocess.run(["git", "init", "-q", repo], check=True)
-        subprocess.run(["git", "-C", repo, "add", "."], check=True)
-        for folder in ("etc", "deep"):
-            subprocess.run(["rm", "-r", os.path.join(repo, folder)], check=True)
-            os.symlink(os.path.join(outside, folder), os.path.join(repo, folder))
-        for ripgrep in (CFG.ripgrep, ""):
-            found = agent.execute(dataclasses.replace(CFG, ripgrep=ripgrep), "search",
-                                  json.dumps({"pattern": "secret", "path": "trap"}))
-            self.assertTrue(found.startswith("no matches"), found)
-
 
 class ExecutorTest(unittest.TestCase):
     # (tool, raw arguments, what the result must start with, what else it must say)
@@ -1055,6 +570,128 @@ class ExecutorTest(unittest.TestCase):
         self.assertEqual(header, "[lines 1-%d of 1,000 in big.txt; continue with offset=%d]"
                          % (last, last + 1))
 
+
+# ----------------------------------------------------------------------------------------------
+# 6. The sandbox: every path stays inside the root
+# ----------------------------------------------------------------------------------------------
+
+class SandboxTest(unittest.TestCase):
+
+    def test_paths_outside_the_root_are_refused(self):
+        """'..', absolute paths and symlinks that point out are refused, by every reading tool."""
+        for name, args in (("read_file", {"path": "../outside/secret.txt"}),
+                           ("read_file", {"path": os.path.join(OUTSIDE, "secret.txt")}),
+                           ("read_file", {"path": "link_out.txt"}),
+                           ("read_file", {"path": "dir_out/secret.txt"}),
+                           ("list_dir", {"path": "dir_out"}),
+                           ("search", {"pattern": "secret", "path": "dir_out"})):
+            result = execute(name, **args)
+            self.assertTrue(result.startswith("error: outside_root:"), result)
+            self.assertNotIn("the secret", result)
+
+    def test_where_an_outside_path_leads_is_not_told(self):
+        """An outside_root error does not say where a link or /proc/self/exe resolves to."""
+        for path in ("link_out.txt", "dir_out/secret.txt", "/proc/self/exe", "../outside"):
+            result = execute("read_file", path=path)
+            self.assertTrue(result.startswith("error: outside_root:"), result)
+            self.assertNotIn(OUTSIDE, result)
+            self.assertNotIn(os.path.realpath(sys.executable), result)
+
+    def test_search_does_not_follow_links_out(self):
+        """A search of the whole root does not read through a symlink that points out."""
+        self.assertNotIn("secret", execute("search", pattern="TODO"))
+
+    def test_absolute_path_inside_the_root_is_fine(self):
+        """An absolute path that stays inside the root is as good as a relative one."""
+        self.assertIn("def greet", execute("read_file", path=os.path.join(WORK, "hello.py")))
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Several calls in one reply
+# ----------------------------------------------------------------------------------------------
+
+class SeveralCallsTest(unittest.TestCase):
+    """Several calls in one reply: reads side by side, changes one at a time, in order."""
+
+    def test_reads_run_together_but_results_keep_the_order_of_the_calls(self):
+        """Reads run side by side and may finish in any order; results go back in call order,
+        and a change runs after the reads before it and before the reads after it."""
+        finished = []
+
+        def slow_list_dir(cfg, path="."):
+            time.sleep(0.3 if path == "src" else 0)
+            finished.append(path)
+            return "listed " + path
+        paths = ["src", ".", "src/../src/.."]
+        with open(os.path.join(WORK, "order.txt"), "w") as f:
+            f.write("old\n")
+        self.addCleanup(os.unlink, os.path.join(WORK, "order.txt"))
+        with unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"list_dir": slow_list_dir}):
+            started = time.monotonic()
+            run = run_agent([calls(*[tool_call("list_dir", path=p) for p in paths],
+                                   tool_call("read_file", path="order.txt"),
+                                   tool_call("write_file", path="order.txt", content="new\n"),
+                                   tool_call("read_file", path="order.txt"),
+                                   tool_call("search", pattern="(")), reply("done")],
+                            "q", "--yes")
+            elapsed = time.monotonic() - started
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertEqual(results[:3], ["listed " + p for p in paths])
+        self.assertEqual(finished[-1], "src")                  # it finished last...
+        self.assertLess(elapsed, 0.6)                          # ...while the others ran
+        self.assertIn("\told", results[3])
+        self.assertTrue(results[4].startswith("replaced order.txt"))
+        self.assertIn("\tnew", results[5])
+        self.assertTrue(results[6].startswith("error: bad_regex"))   # one failure, no harm
+
+    def test_a_read_whose_thread_dies_is_answered_all_the_same(self):
+        """A read that dies in its thread (its stderr closed under it, say) is answered with
+        an error, so the transcript stays valid."""
+        def dies(session, name, arguments, place=0):
+            raise BrokenPipeError("stderr is gone")
+        with unittest.mock.patch.object(agent, "run_call", dies), \
+                unittest.mock.patch.object(threading, "excepthook", lambda args: None):
+            run = run_agent([calls(tool_call("list_dir"), tool_call("list_dir", path="src")),
+                             reply("done")])
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertEqual(results, ["error: tool_crashed: the tool stopped without a result"] * 2)
+        assert_valid(self, run.session.messages)
+
+    def test_runaway_searches_side_by_side_are_stopped(self):
+        """Searches asked for together run in the main thread, where the time limit can stop a
+        regex that would run for hours; the other reads give their results all the same."""
+        with open(os.path.join(WORK, "runaway.txt"), "w") as f:
+            f.write("a" * 40 + "!\n")
+        self.addCleanup(os.unlink, os.path.join(WORK, "runaway.txt"))
+        runaway = dict(pattern="(a+)+\\Z", path="runaway.txt")
+        with unittest.mock.patch.object(agent, "TOOL_SECONDS", 0.3):
+            started = time.monotonic()
+            run = run_agent([calls(tool_call("search", **runaway), tool_call("list_dir"),
+                                   tool_call("search", **runaway)), reply("done")])
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertTrue(results[0].startswith("error: timeout"), results[0])
+        self.assertIn("hello.py", results[1])
+        self.assertTrue(results[2].startswith("error: timeout"), results[2])
+        self.assertLess(time.monotonic() - started, 5)
+
+    def test_a_repeat_after_a_change_is_not_a_repeat(self):
+        """The same call again after a change has been made runs: its answer may differ now."""
+        same = calls(tool_call("run_shell", command="cat counter.txt"))
+        bump = calls(tool_call("write_file", path="counter.txt", content="2\n"))
+        with open(os.path.join(WORK, "counter.txt"), "w") as f:
+            f.write("1\n")
+        self.addCleanup(os.unlink, os.path.join(WORK, "counter.txt"))
+        run = run_agent([same, same, bump, same, same, reply("two")], "q", "--yes")
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertEqual(results[0::2][:2] + results[3:4], ["exit code 0\n1\n",
+                         "replaced counter.txt: 1 lines, 2 B", "exit code 0\n2\n"])
+        self.assertTrue(results[1].startswith("unchanged: run_shell"))
+        self.assertTrue(results[4].startswith("unchanged: run_shell"))
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Approval: nothing changes until the user says yes
+# ----------------------------------------------------------------------------------------------
 
 class ApprovalTest(unittest.TestCase):
     WRITE = [calls(tool_call("write_file", path="approved.txt", content="hello\n")),
@@ -1288,7 +925,7 @@ class ScreenTrustTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Talking to the model
+# 9. The endpoint: one POST, retried, and the reply made strict
 # ----------------------------------------------------------------------------------------------
 
 class TransportTest(unittest.TestCase):
@@ -1449,6 +1086,1021 @@ class TransportTest(unittest.TestCase):
                 agent.run_turn(session, "q")
                 self.assertEqual(server.bodies()[0]["model"], expected)
 
+
+class NormaliseTest(unittest.TestCase):
+
+    def test_arguments_in_any_shape_become_json_text(self):
+        """Arguments as an object, '' or null are run, and sent back as JSON object text."""
+        run = run_agent([calls(tool_call("list_dir", arguments={"path": "src"}),
+                               tool_call("list_dir", arguments=""),
+                               tool_call("list_dir", arguments=None)), reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual([c["function"]["arguments"] for c in sent[2]["tool_calls"]],
+                         ['{"path": "src"}', "{}", "{}"])
+        self.assertIn("app.py", sent[3]["content"])
+        self.assertIn("hello.py", sent[4]["content"])
+        assert_valid(self, run.session.messages)
+
+    def test_broken_arguments_are_reported_and_replaced(self):
+        """Broken JSON arguments get an error result; the transcript holds '{}' in their place."""
+        run = run_agent([calls(tool_call("read_file", arguments='{"path": "hello.py"')),
+                         reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual(sent[2]["tool_calls"][0]["function"]["arguments"], "{}")
+        self.assertTrue(sent[3]["content"].startswith("error: invalid_json:"))
+
+    def test_ids_missing_or_repeated_are_made_unique(self):
+        """Missing ids are given, and an id the server repeats across turns is replaced."""
+        run = run_agent([{"message": {"role": "assistant", "tool_calls": [
+                            {"function": {"name": "list_dir", "arguments": "{}"}}]},
+                          "finish_reason": "tool_calls"},
+                         calls(tool_call("list_dir", id="same"), tool_call("search", id="same",
+                                                                          pattern="x")),
+                         calls(tool_call("find_files", id="same", pattern="*.py")),
+                         reply("done")])
+        assert_valid(self, run.session.messages)
+        ids = [c["id"] for m in run.session.messages for c in m.get("tool_calls", [])]
+        self.assertEqual(len(ids), len(set(ids)))
+        self.assertEqual(ids[1], "same")
+        self.assertTrue(all(len(i) == 9 and i.isalnum() for i in ids if i != "same"), ids)
+
+    def test_tool_calls_with_finish_reason_stop_still_run(self):
+        """finish_reason 'stop' beside tool calls: the calls still run."""
+        run = run_agent([calls(tool_call("list_dir"), finish_reason="stop"), reply("done")])
+        self.assertEqual(run.answer, "done")
+        self.assertEqual(run.bodies[1]["messages"][-1]["role"], "tool")
+
+    def test_content_null_missing_or_beside_calls(self):
+        """content null or missing becomes ''; text beside calls is kept and shown on stderr."""
+        run = run_agent([{"message": {"role": "assistant", "content": None, "tool_calls": [
+                            tool_call("list_dir", id="a")]}, "finish_reason": "tool_calls"},
+                         calls(tool_call("list_dir", path="src", id="b"),
+                               content="Looking in src."),
+                         {"message": {"role": "assistant"}, "finish_reason": "stop"}])
+        assistants = [m for m in run.session.messages if m["role"] == "assistant"]
+        self.assertEqual([m["content"] for m in assistants], ["", "Looking in src.", ""])
+        self.assertIn("Looking in src.", run.stderr)
+        self.assertEqual(run.answer, "")
+
+    def test_hostile_shapes_are_survived(self):
+        """Null text parts, arguments nested past Python's limit, a string n_ctx: no crash."""
+        deep = "[" * 100_000 + "]" * 100_000
+        run = run_agent([{"message": {"role": "assistant", "content": [
+                            {"type": "text", "text": None}, {"type": "text", "text": 5}],
+                            "tool_calls": [tool_call("list_dir", arguments=deep, id="d")]},
+                          "finish_reason": "tool_calls"},
+                         {"raw": deep.encode()},
+                         {"status": 400, "body": {"error": {"type": "exceed_context_size_error",
+                                                            "n_ctx": "4096", "message": "full"}}}])
+        self.assertIsInstance(run.answer, agent.ContextFull)
+        self.assertEqual(run.answer.n_ctx, 4096)
+        self.assertTrue(run.session.messages[3]["content"].startswith("error: invalid_json"))
+        assert_valid(self, run.session.messages)
+
+    def test_reasoning_is_shown_but_not_sent_back(self):
+        """reasoning_content and reasoning reach stderr and never the transcript."""
+        run = run_agent([calls(tool_call("list_dir"), reasoning_content="thinking A"),
+                         reply("<think>thinking C</think>done", reasoning="thinking B")])
+        self.assertEqual(run.answer, "done")
+        for thought in ("thinking A", "thinking B", "thinking C"):
+            self.assertIn(thought, run.stderr)
+            self.assertNotIn(thought, json.dumps(run.session.messages))
+            self.assertNotIn(thought, json.dumps(run.bodies))
+
+    def test_reply_cut_by_the_token_cap_is_not_executed(self):
+        """finish_reason 'length': the last call, maybe cut short, is not run; earlier ones are."""
+        run = run_agent([calls(tool_call("list_dir", path="src"),
+                               tool_call("read_file", arguments='{"path": "hel"}'),
+                               finish_reason="length"), reply("sorry")])
+        first, last = (m["content"] for m in run.bodies[1]["messages"][-2:])
+        self.assertIn("app.py", first)
+        self.assertTrue(last.startswith("error: cut_off:"), last)
+        self.assertNotIn("⚙ read_file", run.stderr)
+        assert_valid(self, run.session.messages)
+
+    def test_what_is_sent_back_is_strict(self):
+        """System first; assistant calls with string JSON arguments; one tool message per call."""
+        run = run_agent([calls(tool_call("list_dir"), tool_call("read_file", path="hello.py")),
+                         reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "tool",
+                                                     "tool"])
+        self.assertEqual(set(sent[2]), {"role", "content", "tool_calls"})
+        self.assertEqual([m["tool_call_id"] for m in sent[3:]],
+                         [c["id"] for c in sent[2]["tool_calls"]])
+        self.assertEqual(set(sent[3]), {"role", "tool_call_id", "content"})
+
+
+# ==============================================================================================
+# PART II — THE TOOLS IN FULL
+# ==============================================================================================
+# The tools one by one, through the real executor.
+
+# ----------------------------------------------------------------------------------------------
+# 10-12. Reading, finding files, searching
+# ----------------------------------------------------------------------------------------------
+
+class ToolsTest(unittest.TestCase):
+
+    def test_list_dir(self):
+        """Entries sorted, directories marked with '/', files with sizes, links with targets."""
+        rows = execute("list_dir").splitlines()
+        self.assertEqual(rows[0], "big.txt  (8.7 KB)")
+        self.assertIn("src/", rows)
+        self.assertIn("dir_out -> " + OUTSIDE, rows)
+        self.assertEqual(rows, sorted(rows))
+
+    def test_list_dir_is_capped(self):
+        """A directory of 250 entries shows 200 and says how many more there are."""
+        many = os.path.join(WORK, "many")
+        os.mkdir(many)
+        self.addCleanup(subprocess.run, ["rm", "-rf", many])
+        for i in range(250):
+            open(os.path.join(many, "f%03d" % i), "w").close()
+        rows = execute("list_dir", path="many").splitlines()
+        self.assertEqual(len(rows), 201)
+        self.assertIn("50 more entries", rows[-1])
+
+    def test_read_file_window(self):
+        """Numbered lines from offset, and a header saying which of how many, and what next."""
+        result = execute("read_file", path="big.txt", offset=10, limit=3)
+        self.assertEqual(result.splitlines(), [
+            "[lines 10-12 of 1,000 in big.txt; continue with offset=13]",
+            "    10\tline 10", "    11\tline 11", "    12\tline 12"])
+        whole = execute("read_file", path="hello.py")
+        self.assertTrue(whole.startswith("     1\tdef greet(name):"), whole)   # no header
+
+    def test_read_file_last_line_without_newline_and_past_the_end(self):
+        """A last line without a newline counts; an offset past the end says the range."""
+        with open(os.path.join(WORK, "short.txt"), "wb") as f:
+            f.write(b"one\r\ntwo\r\nthree")
+        self.assertEqual(execute("read_file", path="short.txt", offset=3),
+                         "[lines 3-3 of 3 in short.txt]\n     3\tthree")
+        self.assertIn("error: offset_past_end: 'short.txt' has 3 lines",
+                      execute("read_file", path="short.txt", offset=9))
+
+    def test_read_file_cuts_long_lines_and_reads_any_encoding(self):
+        """A 100,000-character line is cut; latin-1 bytes become replacement characters."""
+        with open(os.path.join(WORK, "wide.txt"), "wb") as f:
+            f.write(b"x" * 100_000 + b"\ncaf\xe9\n")
+        result = execute("read_file", path="wide.txt")
+        self.assertLess(len(result), 1000)
+        self.assertIn("… [line cut]", result)
+        self.assertIn("caf\ufffd", result)
+
+    def test_read_file_refuses_binary_directories_and_fifos(self):
+        """Binary files, directories and FIFOs each get their own error, and nothing blocks."""
+        self.assertTrue(execute("read_file", path="image.png").startswith("error: binary_file:"))
+        self.assertTrue(execute("read_file", path="src").startswith("error: is_a_directory:"))
+        fifo = os.path.join(WORK, "pipe")
+        os.mkfifo(fifo)
+        self.addCleanup(os.unlink, fifo)
+        self.assertTrue(execute("read_file", path="pipe").startswith(
+            "error: not_a_regular_file:"))
+        self.assertIn("TODO", execute("search", pattern="TODO"))   # the search skips it
+        self.assertIn("pipe  (not a regular file)", execute("list_dir"))
+
+    def test_read_file_on_a_large_file_reads_the_window_only(self):
+        """Reading near the end of a 30 MB file counts all its lines and shows the window."""
+        path = os.path.join(WORK, "large.log")
+        self.addCleanup(os.unlink, path)
+        with open(path, "wb") as f:
+            f.write(("y" * 99 + "\n").encode() * 300_000)
+        result = execute("read_file", path="large.log", offset=299_999)
+        self.assertEqual(result.splitlines()[0],
+                         "[lines 299999-300000 of 300,000 in large.log]")
+
+    def test_search_rows_and_no_match(self):
+        """Matches come as path:line: text rows; no match is a normal result, not an error."""
+        self.assertEqual(execute("search", pattern="TODO").splitlines(),
+                         ["src/app.py:4: hello.greet('app')  # TODO: config",
+                          "src/notes.txt:1: TODO: write docs"])
+        self.assertEqual(execute("search", pattern="TODO", glob="*.py"),
+                         "src/app.py:4: hello.greet('app')  # TODO: config")
+        self.assertTrue(execute("search", pattern="nothing_like_this").startswith(
+            "no matches for 'nothing_like_this'"))
+
+    def test_search_matches_line_by_line(self):
+        """^ and $ anchor at lines, and a pattern never matches across a line break."""
+        self.assertEqual(execute("search", pattern="^line two$", path="src"),
+                         "src/notes.txt:2: line two")
+        self.assertIn("no matches", execute("search", pattern=r"docs\sline", path="src"))
+        self.assertEqual(execute("search", pattern=r"\Aline t", path="src"),
+                         "src/notes.txt:2: line two")
+
+    def test_search_is_capped_but_counts_everything(self):
+        """1,000 matches: 100 rows shown, all counted, and a hint to narrow."""
+        rows = execute("search", pattern="^line", path="big.txt").splitlines()
+        self.assertEqual(len(rows), 101)
+        self.assertIn("100 of 1,000 matches shown", rows[-1])
+
+    def test_search_honours_gitignore(self):
+        """Inside a git repository, what .gitignore ignores is not searched, nor .git."""
+        repo = os.path.join(WORK, "repo")
+        os.makedirs(os.path.join(repo, "build"))
+        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
+        subprocess.run(["git", "init", "-q", repo], check=True)
+        for name, text in ((".gitignore", "build/\n"), ("kept.c", "needle\n"),
+                           ("build/out.c", "needle\n")):
+            with open(os.path.join(repo, name), "w") as f:
+                f.write(text)
+        self.assertEqual(execute("search", pattern="needle", path="repo"), "repo/kept.c:1: needle")
+        self.assertTrue(execute("search", pattern="refs/heads", path="repo").startswith(
+            "no matches"))   # .git/HEAD holds it
+        self.assertEqual(execute("find_files", pattern="*.c"), "repo/kept.c")
+
+    def test_find_files(self):
+        """A glob with '**' spans directories; without '/' it matches names at any depth."""
+        self.assertEqual(execute("find_files", pattern="*.py").splitlines(),
+                         ["hello.py", "src/app.py"])
+        self.assertEqual(execute("find_files", pattern="src/**/*.{py,txt}").splitlines(),
+                         ["src/app.py", "src/notes.txt"])
+        self.assertEqual(execute("find_files", pattern="**/app.py"), "src/app.py")
+        self.assertTrue(execute("find_files", pattern="*.rs").startswith("no files match"))
+
+
+def git_index(*names):
+    """A git index (version 2) that lists names, whatever they are: git itself refuses to
+    write '../x', but a repository's files can be made by hand."""
+    entries = b""
+    for name in sorted(n.encode() for n in names):
+        entry = struct.pack(">10I", 0, 0, 0, 0, 0, 0, 0o100644, 0, 0, 0) + bytes(20) + \
+            struct.pack(">H", len(name)) + name
+        entries += entry + b"\0" * (8 - len(entry) % 8)
+    data = b"DIRC" + struct.pack(">II", 2, len(names)) + entries
+    return data + hashlib.sha1(data).digest()
+
+
+class GitTrustTest(unittest.TestCase):
+    """A repository's git metadata is the repository's to write: nothing it says may make a
+    tool read outside the workspace."""
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="hostile-")
+        self.addCleanup(shutil.rmtree, self.root)
+        self.cfg = dataclasses.replace(CFG, root=self.root, ripgrep="")   # the Python scan
+        self.escape = os.path.relpath(os.path.join(OUTSIDE, "secret.txt"), self.root)
+
+    def hostile(self, folder, bare):
+        """folder made a repository whose index lists files outside the workspace: a bare one
+        committed as ordinary files (what a clone can deliver), or a .git of its own."""
+        git = os.path.join(self.root, folder, "" if bare else ".git")
+        subprocess.run(["git", "init", "-q", "--bare", git], check=True)
+        with open(os.path.join(git, "config"), "a") as f:
+            f.write("[core]\n\tbare = false\n\tworktree = %s\n" % ("." if bare else ".."))
+        up = os.path.relpath(self.root, os.path.join(self.root, folder))
+        with open(os.path.join(git, "index"), "wb") as f:
+            f.write(git_index(os.path.normpath(os.path.join(up, self.escape)), "/etc/hostname",
+                              ".git/config", "ok.txt"))
+        with open(os.path.join(self.root, folder, "ok.txt"), "w") as f:
+            f.write("the secret is not here\n")
+
+    def test_a_crafted_index_reads_nothing_outside(self):
+        """An index listing '../../outside/secret.txt' (in a bare repository made of plain
+        files, or a nested .git) is not followed by search or find_files, from any folder."""
+        self.hostile("sub", bare=True)
+        self.hostile("nested", bare=False)
+        for folder in ("sub", "nested", "."):
+            for pattern in (r"secret(?= )", "secret"):   # Python only, or rg if it has it
+                for ripgrep in ("", CFG.ripgrep):
+                    found = agent.execute(dataclasses.replace(self.cfg, ripgrep=ripgrep),
+                                          "search", json.dumps({"pattern": pattern,
+                                                                "path": folder}))
+                    self.assertNotIn("the secret\n", found + "\n")
+                    self.assertNotIn("TODO", found)
+                    self.assertNotIn("..", found)
+        listed = agent.execute(self.cfg, "find_files", json.dumps({"pattern": "*"}))
+        self.assertNotIn("secret.txt", listed)
+        self.assertNotIn("..", listed)
+        self.assertIn("nested/ok.txt", listed)
+
+    def test_git_finds_no_bare_repository_in_plain_files(self):
+        """A folder that looks like a bare repository is just a folder to git_files, and so
+        is a workspace that is one at its top (a downloaded ZIP)."""
+        self.hostile("sub", bare=True)
+        self.assertNotIn(self.escape,
+                         agent.git_files(os.path.join(self.root, "sub"), CFG.shell_env) or [])
+        self.hostile(".", bare=True)
+        self.assertIsNone(agent.git_files(self.root, CFG.shell_env))
+        found = agent.execute(self.cfg, "search", json.dumps({"pattern": r"secret(?= )"}))
+        self.assertNotIn("TODO", found)
+        self.assertFalse(agent.plain_name("../x") or agent.plain_name("/etc/passwd") or
+                         agent.plain_name("a/../../x") or agent.plain_name(".git/config"))
+        self.assertTrue(agent.plain_name("a/b.txt") and agent.plain_name("nested/"))
+
+
+class RipgrepTest(unittest.TestCase):
+    PATTERNS = ["needle", "^needle$", "need(le|ful)", r"\bword\b", "é", "(?i)NEEDLE", "n.e",
+                "[0-9]+", "a{,3}b", "(?<=x)needle", "tail$", "nothing at all", r"foo[\t-\r]bar",
+                "^hello", "late", "a*+a", "[[:alpha:]]x"]
+
+    def test_the_same_rows_with_and_without_ripgrep(self):
+        """rg, where installed, finds exactly the rows Python finds: .gitignore, hidden files,
+        a nested repository, CRLF, latin-1, binary files, links and globs all alike."""
+        ripgrep = shutil.which("rg")
+        if not ripgrep:
+            self.skipTest("ripgrep is not installed here; .ci/run installs it where it can")
+        repo = tempfile.mkdtemp(dir=WORK, prefix="rg-")
+        self.addCleanup(subprocess.run, ["rm", "-rf", repo])
+        subprocess.run(["git", "init", "-q", repo], check=True)
+        files = {".gitignore": b"build/\n*.log\n", "a.py": b"needle\nword needful 42\n",
+                 ".hidden.py": b"xneedle\n", "build/out.py": b"needle\n", "x.log": b"needle\n",
+                 "crlf.txt": b"tail\r\nneedle\r\n", "latin.txt": b"caf\xe9 needle aab\n",
+                 "bin.dat": b"needle\0\n", "deep/er/n.py": b"NEEDLE\nnine\n",
+                 "inner/.git/HEAD": b"ref: refs/heads/main\n", "inner/i.py": b"needle\n",
+                 "unicode.txt": "é needle\n".encode(), "cross.txt": b"foo\nbar\n",
+                 "bom.txt": b"\xef\xbb\xbfhello\n", "late_nul.txt": b"late\n" * 30000 + b"\0",
+                 "late\nnul.txt": b"late\n" * 30000 + b"\0",
+                 "w: WARNING: stopped searching binary file\nc.txt": b"needle\n",
+                 "new\nline.txt": b"needle\n", b"caf\xe9.txt".decode(errors="surrogateescape"):
+                 b"needle\n"}
+        for name, data in files.items():
+            os.makedirs(os.path.dirname(os.path.join(repo, name)), exist_ok=True)
+            with open(os.path.join(repo, name), "wb") as f:
+                f.write(data)
+        subprocess.run(["git", "init", "-q", os.path.join(repo, "inner")], check=True)
+        os.symlink("a.py", os.path.join(repo, "link.py"))
+        rel = os.path.basename(repo)
+        for pattern in self.PATTERNS:
+            for glob in (None, "*.py", "deep/**", "*.log", "*", "%s/deep/**" % rel):
+                with self.subTest(pattern=pattern, glob=glob):
+                    args = {"pattern": pattern, "path": rel, "glob": glob}
+                    fast = agent.execute(dataclasses.replace(CFG, ripgrep=ripgrep), "search",
+                                         json.dumps(args))
+                    slow = agent.execute(dataclasses.replace(CFG, ripgrep=""), "search",
+                                         json.dumps(args))
+                    self.assertEqual(fast, slow)
+        everything = agent.execute(CFG, "search", json.dumps({"pattern": "needle", "path": rel}))
+        self.assertNotIn("build/", everything)
+        self.assertIn(rel + "/inner/i.py:1: needle", everything)
+        self.assertIn(rel + "/.hidden.py:1: xneedle", everything)
+        self.assertNotIn("x.log", agent.execute(CFG, "search", json.dumps(
+            {"pattern": "needle", "path": rel, "glob": "*.log"})))
+
+
+    def test_ripgrep_lines_whatever_the_names(self):
+        """rg's lines are read right when a name holds a newline, or words like rg's warning,
+        and a warning drops the matches of its file only, whichever file comes next."""
+        warning = b': WARNING: stopped searching binary file after match (found "\\0" byte ' \
+                  b'around offset 70000)\n'
+        lines = [b"./x.txt\x001:x first\n", b"./a\n", b"z\x001:x late\n", b"./a\n", b"z" + warning,
+                 b"./b: WARNING: stopped searching binary file\n", b"c\x002:x second\n",
+                 b"./d.txt\x003:x third\n", b"./d.txt" + warning, b"./e.txt\x004:x fourth\n"]
+        process = unittest.mock.Mock(stdout=io.BytesIO(b"".join(lines[1:])))
+        found = list(agent.read_ripgrep(WORK, WORK, process, lines[0], None))
+        self.assertEqual(found, [("x.txt", 1, "x first"),
+                                 ("b: WARNING: stopped searching binary file\nc", 2, "x second"),
+                                 ("e.txt", 4, "x fourth")])
+        process.kill.assert_called_once_with()
+
+
+class SearchEdgesTest(unittest.TestCase):
+
+    def setUp(self):
+        agent.TOOL_SECONDS, self.saved = 2, agent.TOOL_SECONDS   # a runaway tool fails the test
+
+    def tearDown(self):
+        agent.TOOL_SECONDS = self.saved
+
+    def write(self, name, data):
+        path = os.path.join(WORK, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        self.addCleanup(os.unlink, path)
+
+    def test_lines_are_lines(self):
+        """No phantom line after the last; CRLF lines end before the CR; lookaheads see a line."""
+        self.write("two.txt", b"a\n\nb\n")
+        self.write("crlf.txt", b"ab\r\nx; y\r\n")
+        self.assertEqual(execute("search", pattern="^$", path="two.txt"), "two.txt:2: ")
+        self.assertEqual(execute("search", pattern="b$", path="crlf.txt"), "crlf.txt:1: ab")
+        self.write("semi.txt", b"x;\ny; z\n")
+        self.assertEqual(execute("search", pattern=r";(?!\s)", path="semi.txt"), "semi.txt:1: x;")
+        self.write("last.txt", b"a\nb")
+        self.assertEqual(execute("search", pattern="$", path="last.txt"),
+                         "last.txt:1: a\nlast.txt:2: b")
+        self.assertEqual(execute("search", pattern=r"\Ab", path="last.txt"), "last.txt:2: b")
+
+    def test_patterns_that_cross_lines_stay_fast(self):
+        """A pattern whose matches would span lines is searched line by line, not rescanned."""
+        self.write("as.txt", b"a\n" * 100_000)
+        self.assertTrue(execute("search", pattern="a[^z]*z", path="as.txt").startswith(
+            "no matches"))
+
+    def test_a_runaway_regex_is_stopped(self):
+        """Catastrophic backtracking ends as a timeout error, not a hang."""
+        self.write("aaa.txt", b"a" * 40 + b"b\n")
+        agent.TOOL_SECONDS = 0.3
+        self.assertTrue(execute("search", pattern="(a+)+$", path="aaa.txt").startswith(
+            "error: timeout:"))
+
+    def test_globs(self):
+        """Nested braces expand, many stars do not backtrack, a bad bracket is a bad_glob."""
+        self.write("a" * 200, b"")
+        self.assertEqual(execute("find_files", pattern="*.{py,{txt,md}}").splitlines(),
+                         ["big.txt", "hello.py", "link_out.txt", "src/app.py", "src/notes.txt"])
+        self.assertEqual(execute("find_files", pattern="./*.py"), "hello.py")
+        self.assertTrue(execute("find_files", pattern="*a*a*a*a*a*a*a*b").startswith("no files"))
+        bad_range = execute("find_files", pattern="[z-a]*")   # Python 3.9 refuses it, 3.11 not
+        self.assertTrue(bad_range.startswith(("error: bad_glob:", "no files match")), bad_range)
+
+    def test_a_file_that_grows_while_it_is_read_is_read_to_its_end(self):
+        """Lines appended between the size check and the read are read whole, not cut."""
+        name = os.path.join(WORK, "growing.log")
+        self.addCleanup(os.unlink, name)
+        with open(name, "wb") as f:
+            f.write(b"x first\n" + b"a" * 9000 + b"\n")
+        real_fstat = os.fstat
+
+        def fstat_then_append(fd):
+            """The size as it is, then more written at once, as a logger would."""
+            size = real_fstat(fd)
+            with open(name, "ab") as f:
+                f.write(b"x appended line\n")
+            return size
+        with unittest.mock.patch.object(agent.os, "fstat", fstat_then_append):
+            found = list(agent.scan_file(name, re.compile("x")))
+        self.assertEqual(found, [(1, "x first"), (3, "x appended line")])
+
+    def test_a_fifo_swapped_in_with_a_writer_reads_as_empty(self):
+        """A FIFO in a file's place, held open by a writer that writes nothing, neither blocks
+        the scan nor breaks it."""
+        fifo = os.path.join(tempfile.mkdtemp(dir=WORK), "swapped")
+        self.addCleanup(shutil.rmtree, os.path.dirname(fifo))
+        os.mkfifo(fifo)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # so that the writer can open
+        writer = os.open(fifo, os.O_WRONLY)
+        self.addCleanup(os.close, reader)
+        self.addCleanup(os.close, writer)
+        self.assertEqual(list(agent.scan_file(fifo, re.compile("x"))), [])
+
+    def test_a_huge_sparse_file_is_stopped_in_a_thread_too(self):
+        """read_file far into a sparse file, in a reader thread (where no alarm reaches),
+        stops at the time limit instead of counting a terabyte of lines."""
+        path = os.path.join(WORK, "sparse.bin")
+        with open(path, "wb") as f:
+            f.write(b"text\n" * 2000)
+            f.truncate(1 << 40)
+        self.addCleanup(os.unlink, path)
+        agent.TOOL_SECONDS, results = 0.2, []
+        reader = threading.Thread(target=lambda: results.append(
+            execute("read_file", path="sparse.bin", offset=10 ** 9)), daemon=True)
+        reader.start()
+        reader.join(5)
+        self.assertFalse(reader.is_alive(), "read_file ran past its time limit")
+        self.assertTrue(results[0].startswith("error: timeout:"), results[0])
+
+    def test_symlinked_directory_in_a_git_index_is_not_followed(self):
+        """A file git lists under a directory since replaced by a link out is not read, by rg
+        or by Python, however deep the file below the link."""
+        repo, outside = os.path.join(WORK, "trap"), tempfile.mkdtemp()
+        self.addCleanup(subprocess.run, ["rm", "-rf", repo, outside])
+        for name in ("etc/secret.txt", "deep/er/secret.txt"):
+            for top in (repo, outside):
+                os.makedirs(os.path.dirname(os.path.join(top, name)), exist_ok=True)
+                with open(os.path.join(top, name), "w") as f:
+                    f.write("the secret\n")
+        subprocess.run(["git", "init", "-q", repo], check=True)
+        subprocess.run(["git", "-C", repo, "add", "."], check=True)
+        for folder in ("etc", "deep"):
+            subprocess.run(["rm", "-r", os.path.join(repo, folder)], check=True)
+            os.symlink(os.path.join(outside, folder), os.path.join(repo, folder))
+        for ripgrep in (CFG.ripgrep, ""):
+            found = agent.execute(dataclasses.replace(CFG, ripgrep=ripgrep), "search",
+                                  json.dumps({"pattern": "secret", "path": "trap"}))
+            self.assertTrue(found.startswith("no matches"), found)
+
+
+# ----------------------------------------------------------------------------------------------
+# 13-14. Changing files, running commands
+# ----------------------------------------------------------------------------------------------
+
+class ChangingTest(unittest.TestCase):
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(dir=WORK, prefix="changes-")
+        self.rel = os.path.basename(self.dir)
+        self.addCleanup(subprocess.run, ["rm", "-rf", self.dir])
+
+    def path(self, name, data=None):
+        """The workspace-relative path of name in this test's folder; written first if data."""
+        if data is not None:
+            with open(os.path.join(self.dir, name), "wb") as f:
+                f.write(data)
+        return self.rel + "/" + name
+
+    def read(self, name):
+        with open(os.path.join(self.dir, name), "rb") as f:
+            return f.read()
+
+    def test_write_file_makes_directories_and_keeps_newlines(self):
+        """write_file creates missing directories and writes the text as given, CRLF and all."""
+        result = execute("write_file", path=self.path("new/deep/x.txt"), content="a\r\nb\n")
+        self.assertEqual(result, "created %s: 2 lines, 5 B" % self.path("new/deep/x.txt"))
+        self.assertEqual(self.read("new/deep/x.txt"), b"a\r\nb\n")
+
+    def test_writes_never_leave_the_root(self):
+        """Through a link to a file, to a folder, a dangling link or '..': refused, untouched."""
+        os.symlink(os.path.join(OUTSIDE, "secret.txt"), os.path.join(self.dir, "file_out"))
+        os.symlink(OUTSIDE, os.path.join(self.dir, "dir_out"))
+        os.symlink(os.path.join(OUTSIDE, "planted.txt"), os.path.join(self.dir, "dangling"))
+        before = sorted(os.listdir(OUTSIDE))
+        for name, args in (("write_file", {"path": self.path("file_out"), "content": "x"}),
+                           ("write_file", {"path": self.path("dir_out/new.txt"), "content": "x"}),
+                           ("write_file", {"path": self.path("dangling"), "content": "x"}),
+                           ("write_file", {"path": "../outside/new.txt", "content": "x"}),
+                           ("edit_file", {"path": self.path("file_out"), "old": "TODO",
+                                          "new": "x"}),
+                           ("edit_file", {"path": self.path("dir_out/secret.txt"),
+                                          "old": "TODO", "new": "x"})):
+            with self.subTest(name=name, args=args):
+                self.assertTrue(execute(name, **args).startswith("error: outside_root:"))
+        self.assertEqual(sorted(os.listdir(OUTSIDE)), before)
+        with open(os.path.join(OUTSIDE, "secret.txt")) as f:
+            self.assertEqual(f.read(), "TODO: the secret\n")
+
+    def test_edit_replaces_the_one_occurrence(self):
+        """edit_file changes the one match and shows the edited lines, numbered."""
+        path = self.path("a.py", b"def f(x):\n    return x + 1\n\nprint(f(1))\n")
+        result = execute("edit_file", path=path, old="x + 1", new="x + 2")
+        self.assertEqual(result, "edited %s; line 2 now reads:\n     1\tdef f(x):\n"
+                         "     2\t    return x + 2\n     3\t\n     4\tprint(f(1))" % path)
+        self.assertEqual(self.read("a.py"), b"def f(x):\n    return x + 2\n\nprint(f(1))\n")
+
+    def test_edit_with_zero_or_two_matches_changes_nothing(self):
+        """Zero matches: the closest lines; two: where they are; the file is not touched."""
+        text = b"alpha = 1\nbeta = alpha + 1\ngamma = 3\n"
+        path = self.path("m.py", text)
+        none = execute("edit_file", path=path, old="betta = alpha + 2", new="x")
+        self.assertTrue(none.startswith("error: no_match:"), none)
+        self.assertIn("The closest lines are:\n     2\tbeta = alpha + 1", none)
+        two = execute("edit_file", path=path, old="alpha", new="x")
+        self.assertTrue(two.startswith("error: several_matches: old occurs 2 times"), two)
+        self.assertIn("(lines 1, 2)", two)
+        self.assertEqual(self.read("m.py"), text)
+        self.assertTrue(execute("edit_file", path=path, old="", new="x").startswith(
+            "error: bad_argument:"))
+
+    def test_edit_keeps_crlf_and_bytes_that_are_not_utf8(self):
+        """old written with \\n matches a CRLF file; a latin-1 byte elsewhere survives."""
+        path = self.path("w.txt", b"caf\xe9\r\none\r\ntwo\r\n")
+        self.assertTrue(execute("edit_file", path=path, old="one\ntwo", new="1\n2").startswith(
+            "edited"))
+        self.assertEqual(self.read("w.txt"), b"caf\xe9\r\n1\r\n2\r\n")
+
+    def test_a_path_swapped_for_a_link_before_the_yes_is_not_written(self):
+        """If a folder becomes a link out while the user decides, the write does not happen."""
+        os.mkdir(os.path.join(self.dir, "swap"))
+
+        def swap_then_allow(name, args, preview):
+            os.rename(os.path.join(self.dir, "swap"), os.path.join(self.dir, "swapped"))
+            os.symlink(OUTSIDE, os.path.join(self.dir, "swap"))
+            return True, ""
+        result = agent.execute(CFG, "write_file", json.dumps(
+            {"path": self.path("swap/planted.txt"), "content": "x"}), approve=swap_then_allow)
+        self.assertTrue(result.startswith("error: outside_root:"), result)
+        self.assertFalse(os.path.exists(os.path.join(OUTSIDE, "planted.txt")))
+
+    def test_the_preview_shows_every_byte_that_changes(self):
+        """CRLF to LF and a dropped last newline show in the diff; nothing is '(no change)'."""
+        previews = []
+
+        def look(name, args, plan):
+            previews.append(plan.preview)
+            return False, "just looking"
+        path = self.path("crlf.txt", b"a\r\nb\r\n")
+        agent.execute(CFG, "write_file", json.dumps({"path": path, "content": "a\nb"}),
+                      approve=look)
+        self.assertIn("-a\r\n", previews[0])
+        self.assertIn("+b\n\\ No newline at end of file", previews[0])
+        self.assertEqual(self.read("crlf.txt"), b"a\r\nb\r\n")
+
+    def test_bad_writes_are_named(self):
+        """A folder path, a lone surrogate, an empty file and a NUL in a command each get a
+        clear result, not a crash."""
+        self.assertTrue(execute("write_file", path=self.path("dir/"), content="x").startswith(
+            "error: bad_path:"))
+        self.assertTrue(execute("write_file", path=self.path("s.txt"), content="\ud83d")
+                        .startswith("error: bad_content:"))
+        self.assertEqual(execute("write_file", path=self.path("empty.txt"), content=""),
+                         "created %s: 0 lines, 0 B" % self.path("empty.txt"))
+        self.assertTrue(execute("run_shell", command="echo \0").startswith("error: bad_argument"))
+        crlf = self.path("c.txt", b"a\r\nb\r\nc\r\n")
+        execute("edit_file", path=crlf, old="a\nb", new="A\r\nB")
+        self.assertEqual(self.read("c.txt"), b"A\r\nB\r\nc\r\n")
+
+    def test_processes_that_leave_the_group_are_killed_too(self):
+        """setsid and job control take a process out of the group; it is still killed."""
+        naptime = "%.4f" % (300 + random.random())
+        for command in ("setsid sleep %s &" % naptime, "set -m; sleep %s & echo" % naptime):
+            with self.subTest(command=command):
+                self.assertTrue(execute("run_shell", command=command).startswith("exit code 0"))
+                survivors = subprocess.run(["pgrep", "-f", "sleep " + naptime],
+                                           capture_output=True)
+                self.assertEqual(survivors.stdout, b"")
+
+    def test_shell_timeout_kills_what_it_started(self):
+        """A command that times out is killed with all it started, `sleep &` included."""
+        naptime = "%.4f" % (200 + random.random())
+        result = execute("run_shell", command="sleep %s & sleep %s" % (naptime, naptime),
+                         timeout=1)
+        self.assertTrue(result.startswith("timed out after 1 s; the command and all it started "
+                                          "were killed"), result)
+        survivors = subprocess.run(["pgrep", "-f", "sleep " + naptime], capture_output=True)
+        self.assertEqual(survivors.stdout, b"")
+
+    def test_shell_output_over_the_cap_keeps_head_and_tail(self):
+        """Long output keeps its beginning and its end, and says how much was cut."""
+        result = execute("run_shell", command="seq 1 100000")
+        self.assertTrue(result.startswith("exit code 0\n1\n2\n3\n"), result[:40])
+        self.assertTrue(result.endswith("99999\n100000\n"), result[-40:])
+        self.assertIn("bytes of output cut here", result)
+        self.assertLessEqual(len(result), agent.RESULT_CAP)
+
+    def test_shell_runs_in_the_root_with_no_input_and_no_key(self):
+        """Commands run in the root, read an empty stdin, and never see the API key."""
+        cfg = agent.load_config(["--root", WORK], {"PATH": os.environ["PATH"],
+                                                   "LLM_API_KEY": "sk-hidden", "COPY": "sk-hidden"})
+        result = agent.execute(cfg, "run_shell", json.dumps(
+            {"command": "pwd; cat; env | grep -c sk-hidden; exit 3"}))
+        self.assertEqual(result, "exit code 3\n%s\n0\n" % WORK)
+        self.assertTrue(execute("run_shell", command="true", timeout=601).startswith(
+            "error: bad_argument: timeout must be 1 to 600 seconds"))
+
+
+# What a command the user allows, or a model that talks the user into one, must not get: the
+# key from a parent's environment, a process that outlives the command, a transcript broken
+# by a double Ctrl+C.
+KEY_WALKER = r'''
+import os, sys
+keys, agent = open(sys.argv[1], "rb").read().split(), os.fsencode(sys.argv[2])
+pid, seen, found = os.getpid(), 0, []
+while pid > 0:   # up the parents, as a conftest.py could, reading each one's environment
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            environment = f.read()
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            seen += f.read().split(b"\0")[1:2] == [agent]
+        found += [pid for key in keys if key in environment]
+    except OSError:
+        pass
+    with open("/proc/%d/stat" % pid, "rb") as f:
+        pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+print("agent.py read: %d; key found in: %s" % (seen, found))
+'''
+
+
+@unittest.skipUnless(os.path.isdir("/proc/self"), "needs Linux's /proc")
+class ProcessTrustTest(unittest.TestCase):
+
+    def alive(self, pids):
+        """Those of pids still there, zombies included (a zombie has not been reaped)."""
+        return [p for p in pids if os.path.exists("/proc/%d" % p)]
+
+    def read_pids(self, path):
+        """The process ids a command wrote to path, one or more a line."""
+        with open(path) as f:
+            return [int(p) for p in f.read().split()]
+
+    def kill_afterwards(self, path):
+        """Kill what a failed test left alive (the pids written to path)."""
+        def kill():
+            for pid in self.alive(self.read_pids(path)) if os.path.exists(path) else []:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):
+                    os.waitpid(pid, os.WNOHANG)
+        self.addCleanup(kill)
+
+    def test_commands_cannot_read_the_key_from_their_parents(self):
+        """The API key is in no parent's environment: a command walking up /proc reads every
+        one, agent.py's included, and finds neither LLM_API_KEY's nor OPENAI_API_KEY's."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        keys = ["sk-%032x" % random.getrandbits(128) for _ in range(2)]
+        with open(os.path.join(folder, "keys"), "w") as f:
+            f.write("\n".join(keys))
+        with open(os.path.join(folder, "walk.py"), "w") as f:
+            f.write(KEY_WALKER)
+        command = "%s %s %s %s" % (sys.executable, f.name, os.path.join(folder, "keys"), AGENT)
+        with CannedServer([calls(tool_call("run_shell", command=command)),
+                           reply("done")]) as server:
+            code, out, err = cli(["--yes", "q"], url=server.url,
+                                 env={"LLM_API_KEY": keys[0], "OPENAI_API_KEY": keys[1]})
+            result = server.bodies()[-1]["messages"][-1]["content"]
+            authorization = [r["headers"].get("Authorization") for r in server.requests]
+        self.assertEqual((code, out), (0, "done\n"), err)
+        self.assertEqual(result, "exit code 0\nagent.py read: 1; key found in: []\n")
+        self.assertEqual(set(authorization), {"Bearer " + keys[0]})   # the server still gets it
+
+    def test_a_chain_of_daemons_dies_to_its_end(self):
+        """Daemons that start daemons, six deep, each in a session of its own, all die with
+        the command that started them, and are reaped."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        pids, chain = os.path.join(folder, "pids"), os.path.join(folder, "chain.sh")
+        with open(chain, "w") as f:
+            f.write('echo $$ >> %s\nif [ "$1" -gt 1 ]; then setsid sh %s $(($1 - 1)) & fi\n'
+                    'exec sleep %.4f\n' % (pids, chain, 500 + random.random()))
+        self.kill_afterwards(pids)
+        result = execute("run_shell", command='setsid sh %s 6 & while [ "$(cat %s 2>/dev/null '
+                         '| wc -l)" -lt 6 ]; do sleep 0.01; done' % (chain, pids))
+        self.assertEqual(result, "exit code 0 (no output)")
+        self.assertEqual(len(self.read_pids(pids)), 6)
+        self.assertEqual(self.alive(self.read_pids(pids)), [])
+
+    def test_a_second_ctrl_c_does_not_stop_the_kill(self):
+        """Ctrl+C stops a command; a second one during the grace it gets before SIGKILL does
+        not stop the kill: a child that ignores SIGTERM dies too, then the interrupt goes on."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        pids = os.path.join(folder, "pids")
+        self.kill_afterwards(pids)
+        command = "trap '' TERM; sleep %.4f & echo $$ $! > %s.new; mv %s.new %s; wait" % (
+            600 + random.random(), pids, pids, pids)
+
+        def first_ctrl_c():
+            """Once the command runs, Ctrl+C, as the terminal sends it to agent.py."""
+            while not os.path.exists(pids):
+                time.sleep(0.01)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        second, real_find_strays = [], agent.find_strays
+
+        def find_strays(born):
+            """Called while the command has its grace: the second Ctrl+C comes here."""
+            if not second:
+                second.append(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+            return real_find_strays(born)
+        threading.Thread(target=first_ctrl_c, daemon=True).start()
+        with unittest.mock.patch.object(agent, "find_strays", find_strays):
+            with self.assertRaises(KeyboardInterrupt):
+                agent.run_command(CFG, command, 60)
+        self.assertEqual(second, [signal.SIGINT])
+        self.assertEqual(self.alive(self.read_pids(pids)), [])
+
+    def test_a_double_ctrl_c_still_settles_the_transcript(self):
+        """A second Ctrl+C while an interrupted turn is settled and saved (a double tap on a
+        slow tool) does not stop it: every call is answered in memory and on disk, and the
+        session goes on."""
+        def slow_tool(root, **args):
+            """The first Ctrl+C, while the tool runs."""
+            raise KeyboardInterrupt
+        state = tempfile.mkdtemp(dir=STATE)
+        for second_in in ("settle", "save", "uninterrupted"):   # the last: as settling begins
+            with self.subTest(second_in=second_in):
+                real, taps, seen = getattr(agent, second_in, None), [], []
+
+                def tap(*args, **kwargs):
+                    """The settling has begun: the second Ctrl+C, a real SIGINT, comes now."""
+                    if session.interrupted and not taps:
+                        taps.append(signal.SIGINT)
+                        signal.raise_signal(signal.SIGINT)
+                    return real(*args, **kwargs)
+
+                def typed(prompt):
+                    """The user's lines; before the second, what the first turn left."""
+                    if len(seen) == 1:
+                        with open(session.path, encoding="utf-8") as f:
+                            seen.append((list(session.messages), [json.loads(x) for x in f]))
+                    seen.append(prompt)
+                    return ["q", "again", "/quit"][len(seen) // 2]
+                script = [calls(tool_call("search", pattern="x"), tool_call("list_dir")),
+                          reply("next answer")]
+                with CannedServer(script) as server, \
+                        unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"search": slow_tool}), \
+                        unittest.mock.patch.object(agent, second_in, tap, create=True), \
+                        unittest.mock.patch("builtins.input", typed), \
+                        contextlib.redirect_stderr(io.StringIO()) as err, \
+                        contextlib.redirect_stdout(io.StringIO()) as out:
+                    session = agent.new_session(config(server.url, XDG_STATE_HOME=state))
+                    agent.start_saving(session)
+                    self.assertEqual(agent.repl(session), 0)
+                    sent = server.bodies()[-1]["messages"]
+                self.assertEqual(taps, [signal.SIGINT])
+                in_memory, on_disk = seen[1]
+                assert_valid(self, in_memory)
+                assert_valid(self, on_disk)
+                self.assertEqual(in_memory, on_disk)
+                self.assertIn("interrupted; the conversation is kept", err.getvalue())
+                self.assertEqual(out.getvalue(), "next answer\n")
+                assert_valid(self, sent)
+
+    def test_a_turn_settles_what_an_interruption_left_open(self):
+        """Should a Ctrl+C land even before the settling begins, the next turn answers the
+        open calls and closes the old turn before it asks anything."""
+        with CannedServer([reply("fine")]) as server:
+            session = agent.new_session(config(server.url))
+            session.messages += [{"role": "user", "content": "q"}, calls(tool_call(
+                "list_dir"), tool_call("search", pattern="x"), content="")["message"]]
+            self.assertEqual(run_turn_quietly(session, "again"), "fine")
+            sent = server.bodies()[0]["messages"]
+        assert_valid(self, sent)
+        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "tool",
+                                                     "tool", "assistant", "user"])
+
+
+# ----------------------------------------------------------------------------------------------
+# 15. Time limits and interruptions
+# ----------------------------------------------------------------------------------------------
+
+class InterruptTest(unittest.TestCase):
+    """What a Ctrl+C cuts short is tidied up all the same."""
+
+    def test_a_ctrl_c_in_the_time_limit_leaves_no_alarm(self):
+        """A Ctrl+C that lands as a tool's time limit is being taken back leaves no alarm set
+        to go off later, somewhere else."""
+        self.addCleanup(signal.signal, signal.SIGALRM, signal.getsignal(signal.SIGALRM))
+        self.addCleanup(signal.setitimer, signal.ITIMER_REAL, 0)
+
+        def cut_short(self, *exc):
+            raise KeyboardInterrupt
+        with CannedServer([calls(tool_call("read_file", path="hello.py"))]) as server, \
+                unittest.mock.patch.object(agent.TimeLimit, "__exit__", cut_short):
+            session = agent.new_session(config(server.url))
+            with self.assertRaises(KeyboardInterrupt):
+                run_turn_quietly(session, "q")
+        self.assertEqual(signal.getitimer(signal.ITIMER_REAL)[0], 0)
+        assert_valid(self, session.messages)
+
+    def test_a_ctrl_c_while_mcp_servers_stop_stops_them_all(self):
+        """Ctrl+C while the first MCP server is being stopped still stops the others."""
+        stopped = []
+
+        class Server:
+            def __init__(self, name):
+                self.name = name
+
+            def stop(self):
+                if self.name == "first":
+                    signal.raise_signal(signal.SIGINT)
+                stopped.append(self.name)
+        session = agent.new_session(CFG)
+        session.servers = [Server("first"), Server("second")]
+        with self.assertRaises(KeyboardInterrupt):
+            agent.stop_mcp(session)
+        self.assertEqual(stopped, ["first", "second"])
+
+
+# ==============================================================================================
+# PART III — SURVIVING REAL SERVERS
+# ==============================================================================================
+# Servers that fail, stream, lie, redirect, and run out of context.
+
+# ----------------------------------------------------------------------------------------------
+# 16. Server errors
+# ----------------------------------------------------------------------------------------------
+
+class Trickle:
+    """A streamed response whose bytes come a few at a time, as read1 hands them out."""
+
+    def __init__(self, data, size):
+        self.data, self.size, self.sent = data, size, 0   # sent: bytes handed out so far
+
+    def read1(self, n):
+        piece = self.data[self.sent:self.sent + min(n, self.size)]
+        self.sent += len(piece)
+        return piece
+
+
+class RedirectingHandler(CannedHandler):
+    """Answers a GET as a moved server does: with a redirect to server.elsewhere."""
+
+    def do_GET(self):
+        self.server.requests.append({"method": "GET", "path": self.path,
+                                     "headers": dict(self.headers), "body": None})
+        self.send(302, b"", {"Location": self.server.elsewhere + self.path})
+
+
+class GarbledHandler(CannedHandler):
+    """Answers a POST with server.garbled, bytes that are not HTTP at all."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.requests.append({"method": "POST", "path": self.path,
+                                     "headers": dict(self.headers), "body": {}})
+        self.wfile.write(self.server.garbled)
+        self.close_connection = True
+
+
+class ServerTrustTest(unittest.TestCase):
+    """A broken or hostile server costs bounded time and memory, and learns nothing."""
+
+    def test_a_long_line_arriving_in_pieces_is_read_in_linear_time(self):
+        """One 2 MB data line in 1 KB reads is parsed in one pass, not re-split on every read
+        (which took seconds of CPU); a \\r\\n split across reads is still one line end."""
+        line = b"data: " + b"x" * ((2 << 20) - 7) + b"\r"   # the \r ends a read: 2 MB
+        stream = Trickle(line + b"\n\r\ndata: two\n\n", 1024)
+        start = time.process_time()
+        events = list(agent.sse_events(stream))
+        self.assertLess(time.process_time() - start, 1.0)
+        self.assertEqual([(e, len(d)) for e, d in events],
+                         [("message", (2 << 20) - 7), ("message", 3)])
+
+    def test_a_line_or_event_past_the_cap_is_refused_unread(self):
+        """A line, or an event of many lines, longer than REPLY_CAP ends the request with one
+        clear line, before the rest is read; a whole reply that long too (and a GET /models
+        is no answer). None is retried."""
+        cap = 256 << 10
+        with unittest.mock.patch.object(agent, "REPLY_CAP", cap):
+            for data in (b"data: " + b"x" * (4 * cap),                      # one endless line
+                         (b"data: " + b"y" * 1000 + b"\n") * (4 * cap // 1000)):   # one event
+                stream = Trickle(data, 4096)
+                with self.assertRaises(agent.Fatal) as caught:
+                    list(agent.sse_events(stream))
+                self.assertLess(stream.sent, cap + 65536)
+                self.assertIn("the server sent over 256.0 KB", str(caught.exception))
+            for step in ({"sse": [b"data: " + b"z" * (2 * cap) + b"\n\n"]},
+                         {"raw": b"z" * (2 * cap)}):
+                run = run_agent([step, reply("never asked for")])
+                self.assertIsInstance(run.answer, agent.Fatal)
+                self.assertIn("the server sent over 256.0 KB", str(run.answer))
+                self.assertEqual(len(run.bodies), 1)
+                assert_valid(self, run.session.messages)
+            with CannedServer([], models=["m" * (2 * cap)]) as server:   # GET /models too
+                session = agent.new_session(agent.load_config(
+                    ["--url", server.url, "--root", WORK], {}))
+                self.assertEqual(agent.pick_model(session), "default")
+
+    def test_no_redirect_is_followed_so_the_key_stays_home(self):
+        """A redirect, of the chat request or of GET /models or /props, is not followed: the
+        server it points to (another origin) never hears the key, and the user is told, once,
+        where it pointed."""
+        key = "sk-redirect-secret"
+        with CannedServer([reply("from elsewhere")] * 5) as other:
+            elsewhere = other.url + "/chat/completions"
+            for status in (301, 302, 303, 307, 308):
+                with self.subTest(status=status), CannedServer(
+                        [{"status": status, "headers": {"Location": elsewhere}}]) as server:
+                    server.RequestHandlerClass, server.elsewhere = RedirectingHandler, other.url
+                    session = agent.new_session(agent.load_config(   # no model: GET /models
+                        ["--url", server.url, "--root", WORK], {"LLM_API_KEY": key}))
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        with self.assertRaises(agent.Fatal) as caught:
+                            agent.run_turn(session, "q")
+                    self.assertIn("(HTTP %d) to %s" % (status, elsewhere), str(caught.exception))
+                    self.assertIn("set LLM_URL", str(caught.exception))
+                    self.assertEqual([(r["method"], r["path"]) for r in server.requests],
+                                     [("GET", "/props"), ("GET", "/v1/models"),
+                                      ("POST", "/v1/chat/completions")])
+                    self.assertEqual(server.requests[-1]["headers"]["Authorization"],
+                                     "Bearer " + key)
+            self.assertEqual(other.requests, [])
+
+    def test_a_key_echoed_in_a_broken_reply_is_never_shown(self):
+        """A key the server echoes in a body that is not JSON, in one with no choices, in a
+        streamed event that is not an object, or in a status line that is not HTTP reaches
+        neither stderr nor --json nor the saved session: nor does its start, where a quote of
+        the first 120 bytes would cut it."""
+        key = "sk-echoed-0123456789abcdef"
+        fast = unittest.mock.patch.object(agent, "RETRY_BASE", 0.001)   # 12 retries in all
+        for echo in ({"raw": b"<html>" + b"." * 106 + key.encode()},
+                     {"raw": json.dumps({"object": "chat.completion", "echo": key}).encode()},
+                     {"sse": [b"data: " + b"." * 110 + key.encode() + b"\n\n"]},
+                     {"garbled": b"XTTP/1.1 200 " + key.encode() + b"\r\n\r\n"}):
+            with self.subTest(echo=echo), CannedServer([echo] * 4) as server, fast:
+                if "garbled" in echo:
+                    server.RequestHandlerClass, server.garbled = GarbledHandler, echo["garbled"]
+                session = agent.start_session(config(server.url, "--json", LLM_API_KEY=key,
+                                                     XDG_STATE_HOME=STATE))
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    self.assertEqual(agent.one_shot(session, "q"), 1)
+                with open(session.path, encoding="utf-8") as f:
+                    saved = f.read()
+                error = json.loads(out.getvalue())["error"]
+                self.assertIn("(gave up after 4 attempts)", error)
+                self.assertIn("***", error)
+                self.assertEqual(err.getvalue().count("***"), 3)   # in each retry's line
+                for shown in (err.getvalue(), out.getvalue(), saved):
+                    self.assertNotIn(key[:8], shown)
+
+    def test_odd_numbers_and_deep_nesting_are_malformed_not_a_crash(self):
+        """Token counts such as "²" or "١٢" (digits to str.isdigit, not to int) count as none;
+        a reply nested 600 deep, whole or streamed, is asked for again like any other
+        malformed reply. Neither ends the turn with an internal error."""
+        for value, expected in (("5", 5), (5, 5), ("²", 0), ("١٢", 0), ("9" * 5000, 0),
+                                (-3, 0), (True, 0), (5.0, 0), (" 5", 0), (None, 0)):
+            self.assertEqual(agent.to_int(value), expected, value)
+        odd = {"prompt_tokens": "²", "completion_tokens": "١٢",
+               "prompt_tokens_details": {"cached_tokens": "9" * 5000}}
+        for flags in ([], ["--no-stream"]):
+            run = run_agent([dict(reply("ok"), extra={"usage": odd})], "q", "-v", *flags)
+            self.assertEqual(run.answer, "ok")
+            self.assertIn("[0 prompt tokens, 0 cached, 0 generated,", run.stderr)
+            assert_valid(self, run.session.messages)
+        deep = b"[" * 600 + b'"x"' + b"]" * 600
+        whole = b'{"choices": [{"message": {"role": "assistant", "content": %s}}]}' % deep
+        streamed = [b'data: {"choices": [{"index": 0, "delta": {"content": "deep"}, '
+                    b'"finish_reason": "stop"}], "usage": %s}\n\n' % deep, b"data: [DONE]\n\n"]
+        for step in ({"raw": whole}, {"sse": streamed}):
+            run = run_agent([step, reply("fine")])
+            self.assertEqual(run.answer, "fine")
+            self.assertIn("nested over 100 levels deep", run.stderr)
+            self.assertEqual(len(run.bodies), 2)
+            assert_valid(self, run.session.messages)
+
+
+# ----------------------------------------------------------------------------------------------
+# 17. Streaming
+# ----------------------------------------------------------------------------------------------
 
 def sse(*events, done=True, crlf=False):
     """Raw server-sent events: each dict a chunk, each str sent as it is; then [DONE]."""
@@ -1661,109 +2313,9 @@ class StreamTest(unittest.TestCase):
             term.goes_on_after_ctrl_c(self, server)
 
 
-class NormaliseTest(unittest.TestCase):
-
-    def test_arguments_in_any_shape_become_json_text(self):
-        """Arguments as an object, '' or null are run, and sent back as JSON object text."""
-        run = run_agent([calls(tool_call("list_dir", arguments={"path": "src"}),
-                               tool_call("list_dir", arguments=""),
-                               tool_call("list_dir", arguments=None)), reply("done")])
-        sent = run.bodies[1]["messages"]
-        self.assertEqual([c["function"]["arguments"] for c in sent[2]["tool_calls"]],
-                         ['{"path": "src"}', "{}", "{}"])
-        self.assertIn("app.py", sent[3]["content"])
-        self.assertIn("hello.py", sent[4]["content"])
-        assert_valid(self, run.session.messages)
-
-    def test_broken_arguments_are_reported_and_replaced(self):
-        """Broken JSON arguments get an error result; the transcript holds '{}' in their place."""
-        run = run_agent([calls(tool_call("read_file", arguments='{"path": "hello.py"')),
-                         reply("done")])
-        sent = run.bodies[1]["messages"]
-        self.assertEqual(sent[2]["tool_calls"][0]["function"]["arguments"], "{}")
-        self.assertTrue(sent[3]["content"].startswith("error: invalid_json:"))
-
-    def test_ids_missing_or_repeated_are_made_unique(self):
-        """Missing ids are given, and an id the server repeats across turns is replaced."""
-        run = run_agent([{"message": {"role": "assistant", "tool_calls": [
-                            {"function": {"name": "list_dir", "arguments": "{}"}}]},
-                          "finish_reason": "tool_calls"},
-                         calls(tool_call("list_dir", id="same"), tool_call("search", id="same",
-                                                                          pattern="x")),
-                         calls(tool_call("find_files", id="same", pattern="*.py")),
-                         reply("done")])
-        assert_valid(self, run.session.messages)
-        ids = [c["id"] for m in run.session.messages for c in m.get("tool_calls", [])]
-        self.assertEqual(len(ids), len(set(ids)))
-        self.assertEqual(ids[1], "same")
-        self.assertTrue(all(len(i) == 9 and i.isalnum() for i in ids if i != "same"), ids)
-
-    def test_tool_calls_with_finish_reason_stop_still_run(self):
-        """finish_reason 'stop' beside tool calls: the calls still run."""
-        run = run_agent([calls(tool_call("list_dir"), finish_reason="stop"), reply("done")])
-        self.assertEqual(run.answer, "done")
-        self.assertEqual(run.bodies[1]["messages"][-1]["role"], "tool")
-
-    def test_content_null_missing_or_beside_calls(self):
-        """content null or missing becomes ''; text beside calls is kept and shown on stderr."""
-        run = run_agent([{"message": {"role": "assistant", "content": None, "tool_calls": [
-                            tool_call("list_dir", id="a")]}, "finish_reason": "tool_calls"},
-                         calls(tool_call("list_dir", path="src", id="b"),
-                               content="Looking in src."),
-                         {"message": {"role": "assistant"}, "finish_reason": "stop"}])
-        assistants = [m for m in run.session.messages if m["role"] == "assistant"]
-        self.assertEqual([m["content"] for m in assistants], ["", "Looking in src.", ""])
-        self.assertIn("Looking in src.", run.stderr)
-        self.assertEqual(run.answer, "")
-
-    def test_hostile_shapes_are_survived(self):
-        """Null text parts, arguments nested past Python's limit, a string n_ctx: no crash."""
-        deep = "[" * 100_000 + "]" * 100_000
-        run = run_agent([{"message": {"role": "assistant", "content": [
-                            {"type": "text", "text": None}, {"type": "text", "text": 5}],
-                            "tool_calls": [tool_call("list_dir", arguments=deep, id="d")]},
-                          "finish_reason": "tool_calls"},
-                         {"raw": deep.encode()},
-                         {"status": 400, "body": {"error": {"type": "exceed_context_size_error",
-                                                            "n_ctx": "4096", "message": "full"}}}])
-        self.assertIsInstance(run.answer, agent.ContextFull)
-        self.assertEqual(run.answer.n_ctx, 4096)
-        self.assertTrue(run.session.messages[3]["content"].startswith("error: invalid_json"))
-        assert_valid(self, run.session.messages)
-
-    def test_reasoning_is_shown_but_not_sent_back(self):
-        """reasoning_content and reasoning reach stderr and never the transcript."""
-        run = run_agent([calls(tool_call("list_dir"), reasoning_content="thinking A"),
-                         reply("<think>thinking C</think>done", reasoning="thinking B")])
-        self.assertEqual(run.answer, "done")
-        for thought in ("thinking A", "thinking B", "thinking C"):
-            self.assertIn(thought, run.stderr)
-            self.assertNotIn(thought, json.dumps(run.session.messages))
-            self.assertNotIn(thought, json.dumps(run.bodies))
-
-    def test_reply_cut_by_the_token_cap_is_not_executed(self):
-        """finish_reason 'length': the last call, maybe cut short, is not run; earlier ones are."""
-        run = run_agent([calls(tool_call("list_dir", path="src"),
-                               tool_call("read_file", arguments='{"path": "hel"}'),
-                               finish_reason="length"), reply("sorry")])
-        first, last = (m["content"] for m in run.bodies[1]["messages"][-2:])
-        self.assertIn("app.py", first)
-        self.assertTrue(last.startswith("error: cut_off:"), last)
-        self.assertNotIn("⚙ read_file", run.stderr)
-        assert_valid(self, run.session.messages)
-
-    def test_what_is_sent_back_is_strict(self):
-        """System first; assistant calls with string JSON arguments; one tool message per call."""
-        run = run_agent([calls(tool_call("list_dir"), tool_call("read_file", path="hello.py")),
-                         reply("done")])
-        sent = run.bodies[1]["messages"]
-        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "tool",
-                                                     "tool"])
-        self.assertEqual(set(sent[2]), {"role", "content", "tool_calls"})
-        self.assertEqual([m["tool_call_id"] for m in sent[3:]],
-                         [c["id"] for c in sent[2]["tool_calls"]])
-        self.assertEqual(set(sent[3]), {"role", "tool_call_id", "content"})
-
+# ----------------------------------------------------------------------------------------------
+# 18. Context
+# ----------------------------------------------------------------------------------------------
 
 class ContextTest(unittest.TestCase):
     READS = [calls(tool_call("read_file", path="big.txt", offset=n, limit=100))
@@ -1898,212 +2450,6 @@ class ContextTest(unittest.TestCase):
             self.assertEqual(agent.context_limit(agent.new_session(config(server.url))),
                              agent.CONTEXT)
 
-
-class Trickle:
-    """A streamed response whose bytes come a few at a time, as read1 hands them out."""
-
-    def __init__(self, data, size):
-        self.data, self.size, self.sent = data, size, 0   # sent: bytes handed out so far
-
-    def read1(self, n):
-        piece = self.data[self.sent:self.sent + min(n, self.size)]
-        self.sent += len(piece)
-        return piece
-
-
-class RedirectingHandler(CannedHandler):
-    """Answers a GET as a moved server does: with a redirect to server.elsewhere."""
-
-    def do_GET(self):
-        self.server.requests.append({"method": "GET", "path": self.path,
-                                     "headers": dict(self.headers), "body": None})
-        self.send(302, b"", {"Location": self.server.elsewhere + self.path})
-
-
-class GarbledHandler(CannedHandler):
-    """Answers a POST with server.garbled, bytes that are not HTTP at all."""
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.server.requests.append({"method": "POST", "path": self.path,
-                                     "headers": dict(self.headers), "body": {}})
-        self.wfile.write(self.server.garbled)
-        self.close_connection = True
-
-
-class ServerTrustTest(unittest.TestCase):
-    """A broken or hostile server costs bounded time and memory, and learns nothing."""
-
-    def test_a_long_line_arriving_in_pieces_is_read_in_linear_time(self):
-        """One 2 MB data line in 1 KB reads is parsed in one pass, not re-split on every read
-        (which took seconds of CPU); a \\r\\n split across reads is still one line end."""
-        line = b"data: " + b"x" * ((2 << 20) - 7) + b"\r"   # the \r ends a read: 2 MB
-        stream = Trickle(line + b"\n\r\ndata: two\n\n", 1024)
-        start = time.process_time()
-        events = list(agent.sse_events(stream))
-        self.assertLess(time.process_time() - start, 1.0)
-        self.assertEqual([(e, len(d)) for e, d in events],
-                         [("message", (2 << 20) - 7), ("message", 3)])
-
-    def test_a_line_or_event_past_the_cap_is_refused_unread(self):
-        """A line, or an event of many lines, longer than REPLY_CAP ends the request with one
-        clear line, before the rest is read; a whole reply that long too (and a GET /models
-        is no answer). None is retried."""
-        cap = 256 << 10
-        with unittest.mock.patch.object(agent, "REPLY_CAP", cap):
-            for data in (b"data: " + b"x" * (4 * cap),                      # one endless line
-                         (b"data: " + b"y" * 1000 + b"\n") * (4 * cap // 1000)):   # one event
-                stream = Trickle(data, 4096)
-                with self.assertRaises(agent.Fatal) as caught:
-                    list(agent.sse_events(stream))
-                self.assertLess(stream.sent, cap + 65536)
-                self.assertIn("the server sent over 256.0 KB", str(caught.exception))
-            for step in ({"sse": [b"data: " + b"z" * (2 * cap) + b"\n\n"]},
-                         {"raw": b"z" * (2 * cap)}):
-                run = run_agent([step, reply("never asked for")])
-                self.assertIsInstance(run.answer, agent.Fatal)
-                self.assertIn("the server sent over 256.0 KB", str(run.answer))
-                self.assertEqual(len(run.bodies), 1)
-                assert_valid(self, run.session.messages)
-            with CannedServer([], models=["m" * (2 * cap)]) as server:   # GET /models too
-                session = agent.new_session(agent.load_config(
-                    ["--url", server.url, "--root", WORK], {}))
-                self.assertEqual(agent.pick_model(session), "default")
-
-    def test_no_redirect_is_followed_so_the_key_stays_home(self):
-        """A redirect, of the chat request or of GET /models or /props, is not followed: the
-        server it points to (another origin) never hears the key, and the user is told, once,
-        where it pointed."""
-        key = "sk-redirect-secret"
-        with CannedServer([reply("from elsewhere")] * 5) as other:
-            elsewhere = other.url + "/chat/completions"
-            for status in (301, 302, 303, 307, 308):
-                with self.subTest(status=status), CannedServer(
-                        [{"status": status, "headers": {"Location": elsewhere}}]) as server:
-                    server.RequestHandlerClass, server.elsewhere = RedirectingHandler, other.url
-                    session = agent.new_session(agent.load_config(   # no model: GET /models
-                        ["--url", server.url, "--root", WORK], {"LLM_API_KEY": key}))
-                    with contextlib.redirect_stderr(io.StringIO()):
-                        with self.assertRaises(agent.Fatal) as caught:
-                            agent.run_turn(session, "q")
-                    self.assertIn("(HTTP %d) to %s" % (status, elsewhere), str(caught.exception))
-                    self.assertIn("set LLM_URL", str(caught.exception))
-                    self.assertEqual([(r["method"], r["path"]) for r in server.requests],
-                                     [("GET", "/props"), ("GET", "/v1/models"),
-                                      ("POST", "/v1/chat/completions")])
-                    self.assertEqual(server.requests[-1]["headers"]["Authorization"],
-                                     "Bearer " + key)
-            self.assertEqual(other.requests, [])
-
-    def test_a_key_echoed_in_a_broken_reply_is_never_shown(self):
-        """A key the server echoes in a body that is not JSON, in one with no choices, in a
-        streamed event that is not an object, or in a status line that is not HTTP reaches
-        neither stderr nor --json nor the saved session: nor does its start, where a quote of
-        the first 120 bytes would cut it."""
-        key = "sk-echoed-0123456789abcdef"
-        fast = unittest.mock.patch.object(agent, "RETRY_BASE", 0.001)   # 12 retries in all
-        for echo in ({"raw": b"<html>" + b"." * 106 + key.encode()},
-                     {"raw": json.dumps({"object": "chat.completion", "echo": key}).encode()},
-                     {"sse": [b"data: " + b"." * 110 + key.encode() + b"\n\n"]},
-                     {"garbled": b"XTTP/1.1 200 " + key.encode() + b"\r\n\r\n"}):
-            with self.subTest(echo=echo), CannedServer([echo] * 4) as server, fast:
-                if "garbled" in echo:
-                    server.RequestHandlerClass, server.garbled = GarbledHandler, echo["garbled"]
-                session = agent.start_session(config(server.url, "--json", LLM_API_KEY=key,
-                                                     XDG_STATE_HOME=STATE))
-                out, err = io.StringIO(), io.StringIO()
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    self.assertEqual(agent.one_shot(session, "q"), 1)
-                with open(session.path, encoding="utf-8") as f:
-                    saved = f.read()
-                error = json.loads(out.getvalue())["error"]
-                self.assertIn("(gave up after 4 attempts)", error)
-                self.assertIn("***", error)
-                self.assertEqual(err.getvalue().count("***"), 3)   # in each retry's line
-                for shown in (err.getvalue(), out.getvalue(), saved):
-                    self.assertNotIn(key[:8], shown)
-
-    def test_odd_numbers_and_deep_nesting_are_malformed_not_a_crash(self):
-        """Token counts such as "²" or "١٢" (digits to str.isdigit, not to int) count as none;
-        a reply nested 600 deep, whole or streamed, is asked for again like any other
-        malformed reply. Neither ends the turn with an internal error."""
-        for value, expected in (("5", 5), (5, 5), ("²", 0), ("١٢", 0), ("9" * 5000, 0),
-                                (-3, 0), (True, 0), (5.0, 0), (" 5", 0), (None, 0)):
-            self.assertEqual(agent.to_int(value), expected, value)
-        odd = {"prompt_tokens": "²", "completion_tokens": "١٢",
-               "prompt_tokens_details": {"cached_tokens": "9" * 5000}}
-        for flags in ([], ["--no-stream"]):
-            run = run_agent([dict(reply("ok"), extra={"usage": odd})], "q", "-v", *flags)
-            self.assertEqual(run.answer, "ok")
-            self.assertIn("[0 prompt tokens, 0 cached, 0 generated,", run.stderr)
-            assert_valid(self, run.session.messages)
-        deep = b"[" * 600 + b'"x"' + b"]" * 600
-        whole = b'{"choices": [{"message": {"role": "assistant", "content": %s}}]}' % deep
-        streamed = [b'data: {"choices": [{"index": 0, "delta": {"content": "deep"}, '
-                    b'"finish_reason": "stop"}], "usage": %s}\n\n' % deep, b"data: [DONE]\n\n"]
-        for step in ({"raw": whole}, {"sse": streamed}):
-            run = run_agent([step, reply("fine")])
-            self.assertEqual(run.answer, "fine")
-            self.assertIn("nested over 100 levels deep", run.stderr)
-            self.assertEqual(len(run.bodies), 2)
-            assert_valid(self, run.session.messages)
-
-
-# ----------------------------------------------------------------------------------------------
-# 7. The loop
-# ----------------------------------------------------------------------------------------------
-
-class LoopTest(unittest.TestCase):
-
-    def test_a_tool_error_goes_back_to_the_model(self):
-        """A tool error is sent back to the model, not raised, and the loop goes on."""
-        run = run_agent([calls(tool_call("read_file", path="nope.py")), reply("it is missing")])
-        self.assertEqual(run.answer, "it is missing")
-        self.assertTrue(run.bodies[1]["messages"][-1]["content"].startswith("error: not_found"))
-        self.assertIn("⚙ read_file", run.stderr)
-
-    def test_stops_when_no_tool_is_called(self):
-        """A reply without tool calls is the answer: one request, nothing more."""
-        run = run_agent([reply("at once")])
-        self.assertEqual((run.answer, len(run.bodies)), ("at once", 1))
-
-    def test_max_turns_ends_with_an_answer_without_tools(self):
-        """At MAX_TURNS one last request forbids tools (same tools list) and asks for an answer."""
-        script = [calls(tool_call("read_file", path="big.txt", offset=n)) for n in (1, 2, 3)]
-        run = run_agent(script + [reply("best effort")], "q", "--max-turns", "3")
-        self.assertEqual(run.answer, "best effort")
-        self.assertEqual(len(run.bodies), 4)
-        last = run.bodies[-1]
-        self.assertEqual(last["tool_choice"], "none")
-        self.assertEqual(last["tools"], run.bodies[0]["tools"])
-        self.assertIn("Do not call tools", last["messages"][-1]["content"])
-        self.assertNotIn("tool_choice", run.bodies[0])
-
-    def test_final_answer_drops_calls_a_server_sends_anyway(self):
-        """If the final reply still calls tools, they are not run and the transcript stays valid."""
-        run = run_agent([calls(tool_call("list_dir")), calls(tool_call("list_dir", path="src"),
-                                                             content="partial")],
-                        "q", "--max-turns", "1")
-        self.assertEqual(run.answer, "partial")
-        self.assertNotIn("tool_calls", run.session.messages[-1])
-        assert_valid(self, run.session.messages)
-
-    def test_repeated_calls_in_one_reply_are_refused_then_end_the_turn(self):
-        """In one reply, the same call a third time gets an error; a fourth ends the turn with
-        an answer."""
-        same = [tool_call("list_dir", path="src") for _ in range(4)]
-        run = run_agent([calls(*same, tool_call("list_dir")), reply("giving up")])
-        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
-        self.assertIn("app.py", results[0])
-        self.assertEqual(results[1], agent.UNCHANGED.format("list_dir", same[0]["id"]))
-        self.assertTrue(results[2].startswith("error: repeated_call:"))
-        self.assertTrue(results[3].startswith("error: repeated_call:"))
-        self.assertIn("hello.py", results[4])
-        self.assertEqual(run.answer, "giving up")
-        self.assertEqual(run.bodies[-1]["tool_choice"], "none")
-        self.assertEqual(len(run.bodies), 2)
-        assert_valid(self, run.session.messages)
-
     def test_the_same_call_round_after_round_runs_and_points_to_its_first_result(self):
         """Asked again in later rounds, a call runs each time; a result the model already has
         is not sent again, only where it is. MAX_TURNS, not the repeats, ends such a turn."""
@@ -2120,122 +2466,14 @@ class LoopTest(unittest.TestCase):
         self.assertEqual(run.stderr.count("⚙ list_dir"), 5)
         self.assertEqual(run.stderr.count("the same as before"), 4)
 
-    def test_a_read_whose_thread_dies_is_answered_all_the_same(self):
-        """A read that dies in its thread (its stderr closed under it, say) is answered with
-        an error, so the transcript stays valid."""
-        def dies(session, name, arguments, place=0):
-            raise BrokenPipeError("stderr is gone")
-        with unittest.mock.patch.object(agent, "run_call", dies), \
-                unittest.mock.patch.object(threading, "excepthook", lambda args: None):
-            run = run_agent([calls(tool_call("list_dir"), tool_call("list_dir", path="src")),
-                             reply("done")])
-        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
-        self.assertEqual(results, ["error: tool_crashed: the tool stopped without a result"] * 2)
-        assert_valid(self, run.session.messages)
 
-    def test_runaway_searches_side_by_side_are_stopped(self):
-        """Searches asked for together run in the main thread, where the time limit can stop a
-        regex that would run for hours; the other reads give their results all the same."""
-        with open(os.path.join(WORK, "runaway.txt"), "w") as f:
-            f.write("a" * 40 + "!\n")
-        self.addCleanup(os.unlink, os.path.join(WORK, "runaway.txt"))
-        runaway = dict(pattern="(a+)+\\Z", path="runaway.txt")
-        with unittest.mock.patch.object(agent, "TOOL_SECONDS", 0.3):
-            started = time.monotonic()
-            run = run_agent([calls(tool_call("search", **runaway), tool_call("list_dir"),
-                                   tool_call("search", **runaway)), reply("done")])
-        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
-        self.assertTrue(results[0].startswith("error: timeout"), results[0])
-        self.assertIn("hello.py", results[1])
-        self.assertTrue(results[2].startswith("error: timeout"), results[2])
-        self.assertLess(time.monotonic() - started, 5)
-
-    def test_a_repeat_after_a_change_is_not_a_repeat(self):
-        """The same call again after a change has been made runs: its answer may differ now."""
-        same = calls(tool_call("run_shell", command="cat counter.txt"))
-        bump = calls(tool_call("write_file", path="counter.txt", content="2\n"))
-        with open(os.path.join(WORK, "counter.txt"), "w") as f:
-            f.write("1\n")
-        self.addCleanup(os.unlink, os.path.join(WORK, "counter.txt"))
-        run = run_agent([same, same, bump, same, same, reply("two")], "q", "--yes")
-        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
-        self.assertEqual(results[0::2][:2] + results[3:4], ["exit code 0\n1\n",
-                         "replaced counter.txt: 1 lines, 2 B", "exit code 0\n2\n"])
-        self.assertTrue(results[1].startswith("unchanged: run_shell"))
-        self.assertTrue(results[4].startswith("unchanged: run_shell"))
-
-    def test_reads_run_together_but_results_keep_the_order_of_the_calls(self):
-        """Reads run side by side and may finish in any order; results go back in call order,
-        and a change runs after the reads before it and before the reads after it."""
-        finished = []
-
-        def slow_list_dir(cfg, path="."):
-            time.sleep(0.3 if path == "src" else 0)
-            finished.append(path)
-            return "listed " + path
-        paths = ["src", ".", "src/../src/.."]
-        with open(os.path.join(WORK, "order.txt"), "w") as f:
-            f.write("old\n")
-        self.addCleanup(os.unlink, os.path.join(WORK, "order.txt"))
-        with unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"list_dir": slow_list_dir}):
-            started = time.monotonic()
-            run = run_agent([calls(*[tool_call("list_dir", path=p) for p in paths],
-                                   tool_call("read_file", path="order.txt"),
-                                   tool_call("write_file", path="order.txt", content="new\n"),
-                                   tool_call("read_file", path="order.txt"),
-                                   tool_call("search", pattern="(")), reply("done")],
-                            "q", "--yes")
-            elapsed = time.monotonic() - started
-        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
-        self.assertEqual(results[:3], ["listed " + p for p in paths])
-        self.assertEqual(finished[-1], "src")                  # it finished last...
-        self.assertLess(elapsed, 0.6)                          # ...while the others ran
-        self.assertIn("\told", results[3])
-        self.assertTrue(results[4].startswith("replaced order.txt"))
-        self.assertIn("\tnew", results[5])
-        self.assertTrue(results[6].startswith("error: bad_regex"))   # one failure, no harm
-
-    def test_the_request_prefix_is_stable(self):
-        """Each request starts with the exact bytes of the one before: a server's cache holds."""
-        run = run_agent([calls(tool_call("list_dir")), calls(tool_call("search", pattern="x")),
-                         calls(tool_call("read_file", path="hello.py")), reply("done")])
-        for before, after in zip(run.bodies, run.bodies[1:]):
-            n = len(before["messages"])
-            self.assertEqual(json.dumps(after["messages"][:n]), json.dumps(before["messages"]))
-            self.assertEqual(json.dumps(after["tools"]), json.dumps(before["tools"]))
-            self.assertEqual(set(after) - {"messages"}, set(before) - {"messages"})
-
-    def test_an_interruption_leaves_the_transcript_valid(self):
-        """Ctrl+C during a tool answers every open call and closes the turn."""
-        def interrupt(root, **args):
-            raise KeyboardInterrupt
-        with unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"search": interrupt}):
-            with CannedServer([calls(tool_call("list_dir"), tool_call("search", pattern="x"),
-                                     tool_call("find_files", pattern="*"))]) as server:
-                session = agent.new_session(config(server.url))
-                with contextlib.redirect_stderr(io.StringIO()):
-                    with self.assertRaises(KeyboardInterrupt):
-                        agent.run_turn(session, "q")
-                    time.sleep(0.1)   # the reads that were running finish, quietly
-        assert_valid(self, session.messages)
-        self.assertEqual([m["content"][:18] for m in session.messages[-3:]],
-                         ["error: interrupted", "error: interrupted", "[interrupted by th"])
-
-    def test_a_failed_request_leaves_the_transcript_valid(self):
-        """A turn that ends with a server error leaves a transcript the next turn can use."""
-        with CannedServer([calls(tool_call("list_dir")), {"status": 401}, reply("again")]) as s:
-            session = agent.new_session(config(s.url))
-            with contextlib.redirect_stderr(io.StringIO()):
-                with self.assertRaises(agent.Fatal):
-                    agent.run_turn(session, "q")
-                self.assertEqual(agent.run_turn(session, "q2"), "again")
-            roles = [m["role"] for m in s.bodies()[-1]["messages"]]
-        self.assertEqual(roles, ["system", "user", "assistant", "tool", "assistant", "user"])
-        assert_valid(self, session.messages)
-
+# ==============================================================================================
+# PART IV — EXTENSIONS
+# ==============================================================================================
+# MCP servers, sub-agents and saved sessions: the loop is the same with each.
 
 # ----------------------------------------------------------------------------------------------
-# 7b. Extensions: MCP, sub-agents, saved sessions, output for scripts
+# 19. MCP
 # ----------------------------------------------------------------------------------------------
 
 # A small MCP server, standard library only, for the tests: it speaks JSON-RPC on stdin and
@@ -2454,6 +2692,10 @@ class McpTest(unittest.TestCase):
                          {"a": ["1", "dflt", "1"]})
 
 
+# ----------------------------------------------------------------------------------------------
+# 20. Sub-agents
+# ----------------------------------------------------------------------------------------------
+
 class SubAgentTest(unittest.TestCase):
 
     def test_a_task_runs_a_fresh_read_only_loop(self):
@@ -2478,6 +2720,10 @@ class SubAgentTest(unittest.TestCase):
                                           "rounds"), result)
         self.assertIn("\n    ⚙ search", err.getvalue())
 
+
+# ----------------------------------------------------------------------------------------------
+# 21. Sessions that survive
+# ----------------------------------------------------------------------------------------------
 
 class SessionFileTest(unittest.TestCase):
 
@@ -2579,43 +2825,48 @@ class StateTrustTest(unittest.TestCase):
             os.unlink(path)
 
 
-class InterruptTest(unittest.TestCase):
-    """What a Ctrl+C cuts short is tidied up all the same."""
+# ==============================================================================================
+# PART V — THE PROGRAM AROUND IT
+# ==============================================================================================
+# Settings, the command line, the terminal.
 
-    def test_a_ctrl_c_in_the_time_limit_leaves_no_alarm(self):
-        """A Ctrl+C that lands as a tool's time limit is being taken back leaves no alarm set
-        to go off later, somewhere else."""
-        self.addCleanup(signal.signal, signal.SIGALRM, signal.getsignal(signal.SIGALRM))
-        self.addCleanup(signal.setitimer, signal.ITIMER_REAL, 0)
+# ----------------------------------------------------------------------------------------------
+# 22. Configuration
+# ----------------------------------------------------------------------------------------------
 
-        def cut_short(self, *exc):
-            raise KeyboardInterrupt
-        with CannedServer([calls(tool_call("read_file", path="hello.py"))]) as server, \
-                unittest.mock.patch.object(agent.TimeLimit, "__exit__", cut_short):
-            session = agent.new_session(config(server.url))
-            with self.assertRaises(KeyboardInterrupt):
-                run_turn_quietly(session, "q")
-        self.assertEqual(signal.getitimer(signal.ITIMER_REAL)[0], 0)
-        assert_valid(self, session.messages)
+class ConfigurationTest(unittest.TestCase):
 
-    def test_a_ctrl_c_while_mcp_servers_stop_stops_them_all(self):
-        """Ctrl+C while the first MCP server is being stopped still stops the others."""
-        stopped = []
+    def test_flags_beat_environment_beats_defaults(self):
+        """A flag wins over its variable, a variable over the default, LLM_ over OPENAI_."""
+        both = agent.load_config([], {"LLM_MODEL": "mine", "OPENAI_MODEL": "theirs"})
+        self.assertEqual(both.model, "mine")
+        env = {"LLM_URL": "http://env:1/v1", "OPENAI_BASE_URL": "http://openai:1/v1",
+               "OPENAI_MODEL": "m-openai", "LLM_TIMEOUT": "7", "MAX_TURNS": "3"}
+        cfg = agent.load_config(["--url", "http://flag:1/v1/", "--max-turns", "5"], env)
+        self.assertEqual((cfg.url, cfg.model, cfg.timeout, cfg.max_turns),
+                         ("http://flag:1/v1", "m-openai", 7.0, 5))
+        cfg = agent.load_config([], {"OPENAI_BASE_URL": "http://openai:1/v1/chat/completions"})
+        self.assertEqual((cfg.url, cfg.max_tokens, cfg.max_turns, cfg.api_key),
+                         ("http://openai:1/v1", 4096, 20, ""))
+        self.assertEqual(agent.load_config([], {}).url, "http://127.0.0.1:8080/v1")
 
-        class Server:
-            def __init__(self, name):
-                self.name = name
+    def test_bad_settings_are_usage_errors(self):
+        """A bad value is a UsageError (exit 2) that names the setting."""
+        for argv, env, named in ((["--timeout", "soon"], {}, "LLM_TIMEOUT"),
+                                 ([], {"MAX_TURNS": "0"}, "MAX_TURNS"),
+                                 ([], {"LLM_MAX_TOKENS": "-1"}, "LLM_MAX_TOKENS"),
+                                 ([], {"LLM_URL": "localhost:8080"}, "LLM_URL"),
+                                 (["--root", "/no/such/dir"], {}, "AGENT_ROOT"),
+                                 (["--bogus"], {}, "--bogus")):
+            with self.assertRaises(agent.UsageError) as caught:
+                agent.load_config(argv, env)
+            self.assertIn(named, str(caught.exception))
+            self.assertEqual(caught.exception.exit_code, 2)
 
-            def stop(self):
-                if self.name == "first":
-                    signal.raise_signal(signal.SIGINT)
-                stopped.append(self.name)
-        session = agent.new_session(CFG)
-        session.servers = [Server("first"), Server("second")]
-        with self.assertRaises(KeyboardInterrupt):
-            agent.stop_mcp(session)
-        self.assertEqual(stopped, ["first", "second"])
 
+# ----------------------------------------------------------------------------------------------
+# 24-26. The terminal, the demo, main()
+# ----------------------------------------------------------------------------------------------
 
 class ScriptOutputTest(unittest.TestCase):
     SCRIPT = [dict(calls(tool_call("list_dir"), tool_call("read_file", path="nope")),
@@ -2656,179 +2907,6 @@ class ScriptOutputTest(unittest.TestCase):
         self.assertTrue(all(e["time"] > 0 for e in traced))
         self.assertIn("seconds", traced[1])
 
-
-# What a command the user allows, or a model that talks the user into one, must not get: the
-# key from a parent's environment, a process that outlives the command, a transcript broken
-# by a double Ctrl+C.
-KEY_WALKER = r'''
-import os, sys
-keys, agent = open(sys.argv[1], "rb").read().split(), os.fsencode(sys.argv[2])
-pid, seen, found = os.getpid(), 0, []
-while pid > 0:   # up the parents, as a conftest.py could, reading each one's environment
-    try:
-        with open("/proc/%d/environ" % pid, "rb") as f:
-            environment = f.read()
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
-            seen += f.read().split(b"\0")[1:2] == [agent]
-        found += [pid for key in keys if key in environment]
-    except OSError:
-        pass
-    with open("/proc/%d/stat" % pid, "rb") as f:
-        pid = int(f.read().rsplit(b")", 1)[1].split()[1])
-print("agent.py read: %d; key found in: %s" % (seen, found))
-'''
-
-
-@unittest.skipUnless(os.path.isdir("/proc/self"), "needs Linux's /proc")
-class ProcessTrustTest(unittest.TestCase):
-
-    def alive(self, pids):
-        """Those of pids still there, zombies included (a zombie has not been reaped)."""
-        return [p for p in pids if os.path.exists("/proc/%d" % p)]
-
-    def read_pids(self, path):
-        """The process ids a command wrote to path, one or more a line."""
-        with open(path) as f:
-            return [int(p) for p in f.read().split()]
-
-    def kill_afterwards(self, path):
-        """Kill what a failed test left alive (the pids written to path)."""
-        def kill():
-            for pid in self.alive(self.read_pids(path)) if os.path.exists(path) else []:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                with contextlib.suppress(OSError):
-                    os.waitpid(pid, os.WNOHANG)
-        self.addCleanup(kill)
-
-    def test_commands_cannot_read_the_key_from_their_parents(self):
-        """The API key is in no parent's environment: a command walking up /proc reads every
-        one, agent.py's included, and finds neither LLM_API_KEY's nor OPENAI_API_KEY's."""
-        folder = tempfile.mkdtemp(dir=STATE)
-        keys = ["sk-%032x" % random.getrandbits(128) for _ in range(2)]
-        with open(os.path.join(folder, "keys"), "w") as f:
-            f.write("\n".join(keys))
-        with open(os.path.join(folder, "walk.py"), "w") as f:
-            f.write(KEY_WALKER)
-        command = "%s %s %s %s" % (sys.executable, f.name, os.path.join(folder, "keys"), AGENT)
-        with CannedServer([calls(tool_call("run_shell", command=command)),
-                           reply("done")]) as server:
-            code, out, err = cli(["--yes", "q"], url=server.url,
-                                 env={"LLM_API_KEY": keys[0], "OPENAI_API_KEY": keys[1]})
-            result = server.bodies()[-1]["messages"][-1]["content"]
-            authorization = [r["headers"].get("Authorization") for r in server.requests]
-        self.assertEqual((code, out), (0, "done\n"), err)
-        self.assertEqual(result, "exit code 0\nagent.py read: 1; key found in: []\n")
-        self.assertEqual(set(authorization), {"Bearer " + keys[0]})   # the server still gets it
-
-    def test_a_chain_of_daemons_dies_to_its_end(self):
-        """Daemons that start daemons, six deep, each in a session of its own, all die with
-        the command that started them, and are reaped."""
-        folder = tempfile.mkdtemp(dir=STATE)
-        pids, chain = os.path.join(folder, "pids"), os.path.join(folder, "chain.sh")
-        with open(chain, "w") as f:
-            f.write('echo $$ >> %s\nif [ "$1" -gt 1 ]; then setsid sh %s $(($1 - 1)) & fi\n'
-                    'exec sleep %.4f\n' % (pids, chain, 500 + random.random()))
-        self.kill_afterwards(pids)
-        result = execute("run_shell", command='setsid sh %s 6 & while [ "$(cat %s 2>/dev/null '
-                         '| wc -l)" -lt 6 ]; do sleep 0.01; done' % (chain, pids))
-        self.assertEqual(result, "exit code 0 (no output)")
-        self.assertEqual(len(self.read_pids(pids)), 6)
-        self.assertEqual(self.alive(self.read_pids(pids)), [])
-
-    def test_a_second_ctrl_c_does_not_stop_the_kill(self):
-        """Ctrl+C stops a command; a second one during the grace it gets before SIGKILL does
-        not stop the kill: a child that ignores SIGTERM dies too, then the interrupt goes on."""
-        folder = tempfile.mkdtemp(dir=STATE)
-        pids = os.path.join(folder, "pids")
-        self.kill_afterwards(pids)
-        command = "trap '' TERM; sleep %.4f & echo $$ $! > %s.new; mv %s.new %s; wait" % (
-            600 + random.random(), pids, pids, pids)
-
-        def first_ctrl_c():
-            """Once the command runs, Ctrl+C, as the terminal sends it to agent.py."""
-            while not os.path.exists(pids):
-                time.sleep(0.01)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-        second, real_find_strays = [], agent.find_strays
-
-        def find_strays(born):
-            """Called while the command has its grace: the second Ctrl+C comes here."""
-            if not second:
-                second.append(signal.SIGINT)
-                signal.raise_signal(signal.SIGINT)
-            return real_find_strays(born)
-        threading.Thread(target=first_ctrl_c, daemon=True).start()
-        with unittest.mock.patch.object(agent, "find_strays", find_strays):
-            with self.assertRaises(KeyboardInterrupt):
-                agent.run_command(CFG, command, 60)
-        self.assertEqual(second, [signal.SIGINT])
-        self.assertEqual(self.alive(self.read_pids(pids)), [])
-
-    def test_a_double_ctrl_c_still_settles_the_transcript(self):
-        """A second Ctrl+C while an interrupted turn is settled and saved (a double tap on a
-        slow tool) does not stop it: every call is answered in memory and on disk, and the
-        session goes on."""
-        def slow_tool(root, **args):
-            """The first Ctrl+C, while the tool runs."""
-            raise KeyboardInterrupt
-        state = tempfile.mkdtemp(dir=STATE)
-        for second_in in ("settle", "save", "uninterrupted"):   # the last: as settling begins
-            with self.subTest(second_in=second_in):
-                real, taps, seen = getattr(agent, second_in, None), [], []
-
-                def tap(*args, **kwargs):
-                    """The settling has begun: the second Ctrl+C, a real SIGINT, comes now."""
-                    if session.interrupted and not taps:
-                        taps.append(signal.SIGINT)
-                        signal.raise_signal(signal.SIGINT)
-                    return real(*args, **kwargs)
-
-                def typed(prompt):
-                    """The user's lines; before the second, what the first turn left."""
-                    if len(seen) == 1:
-                        with open(session.path, encoding="utf-8") as f:
-                            seen.append((list(session.messages), [json.loads(x) for x in f]))
-                    seen.append(prompt)
-                    return ["q", "again", "/quit"][len(seen) // 2]
-                script = [calls(tool_call("search", pattern="x"), tool_call("list_dir")),
-                          reply("next answer")]
-                with CannedServer(script) as server, \
-                        unittest.mock.patch.dict(agent.TOOL_FUNCTIONS, {"search": slow_tool}), \
-                        unittest.mock.patch.object(agent, second_in, tap, create=True), \
-                        unittest.mock.patch("builtins.input", typed), \
-                        contextlib.redirect_stderr(io.StringIO()) as err, \
-                        contextlib.redirect_stdout(io.StringIO()) as out:
-                    session = agent.new_session(config(server.url, XDG_STATE_HOME=state))
-                    agent.start_saving(session)
-                    self.assertEqual(agent.repl(session), 0)
-                    sent = server.bodies()[-1]["messages"]
-                self.assertEqual(taps, [signal.SIGINT])
-                in_memory, on_disk = seen[1]
-                assert_valid(self, in_memory)
-                assert_valid(self, on_disk)
-                self.assertEqual(in_memory, on_disk)
-                self.assertIn("interrupted; the conversation is kept", err.getvalue())
-                self.assertEqual(out.getvalue(), "next answer\n")
-                assert_valid(self, sent)
-
-    def test_a_turn_settles_what_an_interruption_left_open(self):
-        """Should a Ctrl+C land even before the settling begins, the next turn answers the
-        open calls and closes the old turn before it asks anything."""
-        with CannedServer([reply("fine")]) as server:
-            session = agent.new_session(config(server.url))
-            session.messages += [{"role": "user", "content": "q"}, calls(tool_call(
-                "list_dir"), tool_call("search", pattern="x"), content="")["message"]]
-            self.assertEqual(run_turn_quietly(session, "again"), "fine")
-            sent = server.bodies()[0]["messages"]
-        assert_valid(self, sent)
-        self.assertEqual([m["role"] for m in sent], ["system", "user", "assistant", "tool",
-                                                     "tool", "assistant", "user"])
-
-
-# ----------------------------------------------------------------------------------------------
-# 8. The terminal
-# ----------------------------------------------------------------------------------------------
 
 class CommandLineTest(unittest.TestCase):
 
@@ -3031,7 +3109,7 @@ class ReplTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Fuzz: malformed replies and statuses, seeded
+# All of it: malformed replies and statuses, seeded
 # ----------------------------------------------------------------------------------------------
 
 class FuzzTest(unittest.TestCase):
@@ -3098,7 +3176,7 @@ class FuzzTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Running the suite: one process per core
+# C. Running the suite: one process per core
 # ----------------------------------------------------------------------------------------------
 # Most of the time a test takes is spent waiting: for a subprocess to start, a server to answer,
 # a pseudo-terminal to show something. So `python3 test_loop.py` runs the tests in a few
