@@ -3433,7 +3433,7 @@ def hide_key(api_key):
             if not entries[i]:
                 break
             name, _, value = ctypes.string_at(entries[i]).partition(b"=")
-            if name.decode("latin-1") in KEY_VARIABLES or (value and value == secret):
+            if os.fsdecode(name) in KEY_VARIABLES or (value and value == secret):
                 ctypes.memset(entries[i] + len(name) + 1, 0, len(value))
     except (OSError, TypeError, ValueError, AttributeError):
         pass   # no C library to reach (Windows), or no environ in it: os.environ is all
