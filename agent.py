@@ -31,7 +31,7 @@ The five pieces, each one name in this file:
 
 How to read it: Part I is the whole agent, the loop and the five pieces, in about 1,000 lines;
 stop at its end and you have seen all of it. Parts II-V are how it survives real tools, real
-servers and real users. `grep -n '^# PART\|^# [0-9]' agent.py` prints the contents:
+servers and real users. `grep -nE '^# (PART|[0-9])' agent.py` prints the contents:
     PART I    The agent                 1-9
     PART II   The tools in full         10-15
     PART III  Surviving real servers    16-18
