@@ -41,6 +41,7 @@ import threading
 import time
 import unittest
 import unittest.mock
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import agent
@@ -2867,6 +2868,18 @@ class ConfigurationTest(unittest.TestCase):
 # ----------------------------------------------------------------------------------------------
 # 24-26. The terminal, the demo, main()
 # ----------------------------------------------------------------------------------------------
+
+class SourceTest(unittest.TestCase):
+
+    def test_agent_py_compiles_without_a_warning(self):
+        """No invalid escape or other compile-time warning, which newer Pythons print on every
+        start (and on stderr, where a user would see it before each answer)."""
+        with open(AGENT, encoding="utf-8") as f:
+            source = f.read()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(source, AGENT, "exec")
+
 
 class ScriptOutputTest(unittest.TestCase):
     SCRIPT = [dict(calls(tool_call("list_dir"), tool_call("read_file", path="nope")),
