@@ -3193,6 +3193,8 @@ def private_folder(cfg, *parts) -> str:
     for part in ("", *parts):
         path = os.path.join(path, part)
         os.makedirs(path, mode=0o700, exist_ok=True)
+        if stat.S_IMODE(os.stat(path).st_mode) & 0o077:   # made open by an older version
+            os.chmod(path, 0o700)
     return os.path.normpath(path)
 
 

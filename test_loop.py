@@ -2789,6 +2789,7 @@ class StateTrustTest(unittest.TestCase):
         """Sessions, MCP logs, the trace and the history are 0600, in 0700 folders."""
         state = tempfile.mkdtemp(dir=STATE)
         trace = os.path.join(state, "trace.jsonl")
+        os.makedirs(os.path.join(state, "agent-loop", "sessions"), mode=0o755)   # as once made
         with CannedServer([reply("fine")]) as server:
             code, _, _ = cli(["--mcp", mcp_config(), "--trace", trace, "q"], url=server.url,
                              env={"XDG_STATE_HOME": state})
