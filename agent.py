@@ -2825,10 +2825,11 @@ def may_start(session, name, spec) -> bool:
     if not spec["from_workspace"] or session.cfg.yes:
         return True
     program, root = spec["program"], session.cfg.root
-    where = "INSIDE THE WORKSPACE" if inside(root, os.path.realpath(program)) else "on this machine"
+    where = "INSIDE THE WORKSPACE" if inside(root, program) or \
+        inside(root, os.path.realpath(program)) else "on this machine"
     given = {k: v for k, v in spec["env"].items() if session.cfg.shell_env.get(k) != v}
     preview = "\n".join([f"$ {shlex.join([spec['command'], *spec['args']])}",
-                         f"# runs {program} ({where})"] +
+                         f"# runs {program} ({where}), in an empty folder of its own"] +
                         [f"# with {k}={v}" for k, v in sorted(given.items())])
     shown = {"program": program, "args": spec["args"], "env": given}
     allowed, _ = ask_permission(session, f"MCP server {name}", shown, Plan(preview, str))
@@ -2894,9 +2895,12 @@ class McpServer:
         try:
             self.log = os.path.join(private_folder(cfg, "mcp"), self.name + ".log")
             adopt_orphans()
+            # subtle: not in the workspace, where `python3 -m x` or `npx x` would load the
+            # repository's own x, whatever the question showed
             with private_file(self.log, "ab") as log:   # subtle: stderr to a file, not a pipe
                 self.process = subprocess.Popen(   # that nobody reads, which could fill up
-                    [self.spec["program"], *self.spec["args"]], cwd=cfg.root,
+                    [self.spec["program"], *self.spec["args"]],
+                    cwd=private_folder(cfg, "mcp", "empty"),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                     env=self.spec["env"], start_new_session=True)
             self.born = start_time(self.process.pid)
@@ -2904,8 +2908,9 @@ class McpServer:
             self.reader = threading.Thread(target=self.read, daemon=True)
             self.reader.start()
             self.handshake()
-        except OSError as e:   # no such command, not executable, a state folder we can't use
-            self.state = f"failed: cannot run {self.spec['command']!r}: {e.strerror or e}"
+        except (OSError, ValueError) as e:   # not executable, a NUL, a folder we can't use
+            self.state = f"failed: cannot run {self.spec['command']!r}: " \
+                         f"{getattr(e, 'strerror', None) or e}"
         except McpError as e:
             self.state = f"failed: {e}"
 
@@ -3084,6 +3089,13 @@ def mcp_servers(root, files, env, shell_env) -> tuple:
                     not isinstance(spec.get("env", {}), dict):
                 problems.append(f'{path}: server {name!r} not used: it needs a "command" '
                                 f'string, and "args" a list and "env" an object if given')
+            elif any(UNSEEN.search(str(s)) or CONTROL.search(str(s)) for s in [
+                    spec["command"], *spec.get("args", []), *spec.get("env", {}),
+                    *spec.get("env", {}).values()]) or \
+                    any("=" in k or not k for k in spec.get("env", {})):
+                problems.append(f"{path}: server {name!r} not used: its command, arguments or "
+                                f"variables hold a line break or control character, or a "
+                                f"variable's name is empty or holds '='")
             else:
                 servers[name] = dict(spec, from_workspace=workspace,
                                      args=[str(a) for a in spec.get("args", [])],
