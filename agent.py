@@ -667,7 +667,7 @@ def resolve(root, path) -> str:
         full = ""
     # subtle: a newline in a path could draw a fake diff header above the real one, and
     # realpath('X/../Makefile') is Makefile whatever X holds: such paths are refused
-    if full and (UNSEEN.search(path) or CONTROL.search(path)):
+    if full and not (shows_as_is(path) and shows_as_is(relative(root, full))):
         raise ToolError("bad_path", f"{path!r} holds a control character or a line break; "
                         f"give the path as plain text")
     if not full:
@@ -916,26 +916,37 @@ def open_terminal():
 
 
 def show_preview(session, preview, lines=60):
-    """A diff in colour (or a command) on stderr, cut to its first lines, each shown whole."""
-    rows = preview.split("\n")
-    for row in rows[:lines]:
+    """A diff in colour (or a command) on stderr, each row shown whole, and a row repeated
+    over and over shown once, with a count; a diff is cut to its first lines, a command never."""
+    rows, cut = [], preview.startswith("--- ")
+    for row in preview.split("\n"):   # runs of one row: 57 blank lines push nothing away
+        if rows and printable(row).rstrip() == printable(rows[-1][0]).rstrip():
+            rows[-1][1] += 1
+        else:
+            rows.append([row, 1])
+    for row, times in rows[:lines] if cut else rows:
         style = (BOLD if row.startswith(("+++", "---", "$ ")) else GREEN if row.startswith("+")
                  else RED if row.startswith("-") else CYAN if row.startswith("@@") else "")
         show_whole(session, row, style)
-    if len(rows) > lines:
+        if times > 1:
+            session.say(f"  ⟨the line above, {times - 1} more time{'s' * (times > 2)}⟩", DIM)
+    if cut and len(rows) > lines:
         session.say(f"  … {len(rows) - lines} more lines ([?] shows the arguments)", DIM)
 
 
 # What the user approves must be what they saw. A row of a preview is shown whole: a long run
-# of blanks is counted aloud, so that nothing hides beyond it ('pytest⟨300 spaces⟩; curl …'),
-# and a long row is wrapped here, so that no terminal, autowrap on or off, cuts it short.
+# of blanks, or of one escaped character, is counted aloud, so that nothing hides beyond it
+# ('pytest⟨300 spaces⟩; curl …'), and a long row is wrapped here, so that no terminal, autowrap
+# on or off, cuts it short.
 BLANKS = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]{33,}")
+ESCAPES = re.compile(r"(\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}))\1{7,}")   # \u2800 × 5000
 
 
 def show_whole(session, row, style=""):
     """One row of a preview on stderr: printable, long blanks counted, wrapped to the width."""
     row = BLANKS.sub(lambda m: f"⟨{len(m.group())} "
                      f"{'blanks' if m.group().strip(' ') else 'spaces'}⟩", printable(row))
+    row = ESCAPES.sub(lambda m: f"⟨{len(m.group()) // len(m.group(1))} × {m.group(1)}⟩", row)
     width = max(terminal_width() - len(session.indent) - 4, 20)
     pieces, piece, used = [], "", 0
     for c in row:
@@ -958,16 +969,33 @@ def terminal_width() -> int:
 
 
 def printable(text) -> str:
-    """text with control characters made visible (\\r, \\x1b, \\u202e), tabs and newlines kept:
-    what the model, a file or a server writes must not move the cursor, recolour the screen,
-    reorder the text it stands in or hide in it, least of all in a preview."""
-    return CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+    """text with every character that does not show as itself made visible (\\r, \\x1b,
+    \\u202e), tabs and newlines kept: what the model, a file or a server writes must not move
+    the cursor, recolour the screen, reorder the text it stands in or hide in it."""
+    return UNCOMMON.sub(made_visible, text)
 
 
-# Control characters; bidirectional overrides and isolates, which reorder what follows them on
-# the screen; zero-width characters, which hide inside a word; line and paragraph separators.
-CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
-                     "\u2060-\u2069\ufeff\ufff9-\ufffb]")
+UNCOMMON = re.compile(r"[^\t\n -~]")   # all but printable ASCII: rare in most text, so fast
+# Letters and signs that Unicode calls printable but that draw nothing: Hangul fillers, a blank
+# braille cell, joiners.
+DRAW_NOTHING = "\u034f\u115f\u1160\u17b4\u17b5\u2800\u3164\uffa0"
+
+
+def made_visible(match) -> str:
+    """One character beyond printable ASCII: itself if it shows as what it is (a letter, a
+    space), else its escape: control characters, bidi overrides, zero-width and format
+    characters, separators, private and unassigned code points, and DRAW_NOTHING."""
+    c = match.group()
+    if (c.isprintable() and c not in DRAW_NOTHING) or unicodedata.category(c) == "Zs":
+        return c
+    code = ord(c)
+    return repr(c)[1:-1] if code < 0xa0 else f"\\u{code:04x}" if code <= 0xffff else \
+        f"\\U{code:08x}"
+
+
+def shows_as_is(text) -> bool:
+    """True if text has no tab, line break or character that printable() would escape."""
+    return not UNSEEN.search(text) and printable(text) == text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3089,7 +3117,7 @@ def mcp_servers(root, files, env, shell_env) -> tuple:
                     not isinstance(spec.get("env", {}), dict):
                 problems.append(f'{path}: server {name!r} not used: it needs a "command" '
                                 f'string, and "args" a list and "env" an object if given')
-            elif any(UNSEEN.search(str(s)) or CONTROL.search(str(s)) for s in [
+            elif not all(shows_as_is(str(s)) for s in [
                     spec["command"], *spec.get("args", []), *spec.get("env", {}),
                     *spec.get("env", {}).values()]) or \
                     any("=" in k or not k for k in spec.get("env", {})):

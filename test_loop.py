@@ -818,6 +818,38 @@ class ScreenTrustTest(unittest.TestCase):
         self.assertLessEqual(max(len(line) for line in lines), 80)
         self.assertFalse(os.path.exists(os.path.join(WORK, "PWNED")))
 
+    def test_a_command_is_never_cut_and_blank_lines_push_nothing_away(self):
+        """A command's preview is shown to its last row, a run of one row shown once with a
+        count, and characters that draw nothing (a blank braille cell, a Hangul filler, tag
+        characters, a joiner between runs of spaces) are escaped."""
+        commands = ["python3 -m pytest -q" + "\n" * 70 + "touch PWNED",
+                    "touch PWNED;" + "\u2800" * 5000 + " python3 -m pytest -q",
+                    "touch PWNED;" + (" " * 32 + "\u034f") * 20 + "\u3164\U000e0041 pytest"]
+        for command in commands:
+            err = self.said(command)
+            self.assertIn("touch PWNED", err)
+            self.assertLess(err.count("\n"), 30, err[:2000])
+            for c in "\u2800\u034f\u3164\U000e0041":
+                self.assertNotIn(c, err)
+            if command is commands[0]:
+                self.assertIn("pytest -q\n  \n  \u27e8the line above, 68 more times\u27e9", err)
+
+    def said(self, command):
+        """What agent.py says on stderr when the model calls run_shell with command."""
+        with CannedServer([calls(tool_call("run_shell", command=command)), reply("ok")]) as s:
+            return cli(["q"], url=s.url)[2]
+
+    def test_a_path_that_leads_through_a_line_break_is_refused(self):
+        """A symlink whose name holds a line break cannot draw a fake diff header either."""
+        fake = os.path.join(WORK, "x\n+++ b", "README.md")
+        os.makedirs(fake)
+        self.addCleanup(shutil.rmtree, os.path.dirname(fake))
+        os.symlink(fake, os.path.join(WORK, "docs"))
+        self.addCleanup(os.unlink, os.path.join(WORK, "docs"))
+        result = execute("write_file", path="docs/x.txt", content="x\n")
+        self.assertTrue(result.startswith("error: bad_path:"), result)
+        self.assertFalse(os.path.exists(os.path.join(fake, "x.txt")))
+
     def test_invisible_characters_are_made_visible(self):
         """Bidi overrides, zero-width characters and separators in a preview are shown."""
         sneaky = "echo safe \u202e; touch PWNED \u2066\u200b\u2028\ufeff"
