@@ -939,7 +939,7 @@ def show_preview(session, preview, lines=60):
 # ('pytest⟨300 spaces⟩; curl …'), and a long row is wrapped here, so that no terminal, autowrap
 # on or off, cuts it short.
 BLANKS = re.compile(r"[ \t\u00a0\u2000-\u200a\u202f\u205f\u3000]{33,}")
-ESCAPES = re.compile(r"(\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}))\1{7,}")   # \u2800 × 5000
+ESCAPES = re.compile(r"(\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}))\1{7,}")   # \u2800 ×99
 
 
 def show_whole(session, row, style=""):
