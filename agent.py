@@ -1528,6 +1528,10 @@ def git_files(directory, env) -> Optional[list]:
     for name in os.fsdecode(out.stdout).split("\0"):
         if not plain_name(name):   # '../../etc/passwd', '/etc/passwd', '.git/config'
             continue
+        # subtle: a .git file (gitdir: ../other/.git) or core.worktree can make git list
+        # another folder's files: a name is kept only if it is there, below directory
+        if not os.path.lexists(os.path.join(directory, name)):
+            continue
         if name.endswith("/"):   # a repository inside this one: its own git knows its files
             inner = git_files(os.path.join(directory, name), env)
             found.extend(name + path for path in inner or [])

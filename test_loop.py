@@ -1414,6 +1414,25 @@ class GitTrustTest(unittest.TestCase):
         self.assertNotIn("..", listed)
         self.assertIn("nested/ok.txt", listed)
 
+    def test_git_lists_no_names_from_another_folder(self):
+        """A .git file that points to another repository, or a core.worktree that leads out,
+        does not make find_files list the names of files outside the workspace."""
+        outside = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, outside)
+        with open(os.path.join(outside, "TOP_SECRET_plans.txt"), "w") as f:
+            f.write("x\n")
+        subprocess.run(["git", "init", "-q", outside], check=True)
+        subprocess.run(["git", "-C", outside, "add", "."], check=True)
+        os.makedirs(os.path.join(self.root, "pointed"))
+        with open(os.path.join(self.root, "pointed", ".git"), "w") as f:
+            f.write("gitdir: %s\n" % os.path.join(outside, ".git"))
+        subprocess.run(["git", "init", "-q", os.path.join(self.root, "moved")], check=True)
+        with open(os.path.join(self.root, "moved", ".git", "config"), "a") as f:
+            f.write("[core]\n\tworktree = %s\n" % os.path.relpath(
+                outside, os.path.join(self.root, "moved", ".git")))
+        listed = agent.execute(self.cfg, "find_files", json.dumps({"pattern": "*"}))
+        self.assertNotIn("TOP_SECRET", listed)
+
     def test_git_finds_no_bare_repository_in_plain_files(self):
         """A folder that looks like a bare repository is just a folder to git_files, and so
         is a workspace that is one at its top (a downloaded ZIP)."""
