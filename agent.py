@@ -1103,6 +1103,8 @@ def normalise(session, data) -> Reply:
     think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
+    # subtle: the key, if the server put it in, escaped in JSON or split over a stream
+    content, reasoning = redact(session.cfg, content), redact(session.cfg, reasoning)
     raw_calls = message.get("tool_calls") or []
     if isinstance(raw_calls, dict):
         raw_calls = [raw_calls]
@@ -1114,10 +1116,10 @@ def normalise(session, data) -> Reply:
             continue
         fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
         args = fn.get("arguments", fn.get("parameters"))
-        arguments.append(args)
+        text = redact(session.cfg, json_arguments(args))
+        arguments.append(args if text == json_arguments(args) else text)
         calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function",
-                      "function": {"name": str(fn.get("name") or ""),
-                                   "arguments": json_arguments(args)}})
+                      "function": {"name": str(fn.get("name") or ""), "arguments": text}})
     reply = {"role": "assistant", "content": content}
     if calls:   # subtle: an empty tool_calls list is rejected by strict servers
         reply["tool_calls"] = calls
@@ -2470,7 +2472,7 @@ def pick_model(session) -> str:
             status, _, raw = fetch(cfg, "GET", "/models", timeout=min(cfg.timeout, 10))
             models = json.loads(raw).get("data") if status == 200 else None
             if models and isinstance(models[0], dict) and models[0].get("id"):
-                cfg.model = str(models[0]["id"])
+                cfg.model = redact(cfg, str(models[0]["id"]))
         except PROBE_ERRORS:
             pass   # the chat request will report the trouble properly
     return cfg.model

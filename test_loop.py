@@ -2131,6 +2131,29 @@ class ServerTrustTest(unittest.TestCase):
                 for shown in (err.getvalue(), out.getvalue(), saved):
                     self.assertNotIn(key[:8], shown)
 
+    def test_a_key_in_the_reply_itself_is_blanked(self):
+        """The key sent back in a reply's text (escaped in JSON, or split over two streamed
+        events), in a call's arguments, or as the model's name, is blanked out of what is
+        printed and what is saved."""
+        key = "sk-test-SECRET-123"
+        escaped = {"raw": json.dumps({"choices": [{"message": {
+            "role": "assistant", "content": "the key: \\u0073k-test-SECRET-123"},
+            "finish_reason": "stop"}]}).replace("\\\\u0073", "\\u0073").encode()}
+        split = {"sse": [b'data: {"choices": [{"delta": {"content": "sk-test-"}}]}\n\n',
+                         b'data: {"choices": [{"delta": {"content": "SECRET-123"}, '
+                         b'"finish_reason": "stop"}]}\n\n', b"data: [DONE]\n\n"]}
+        argued = calls(tool_call("read_file", path=key))
+        for script in ([escaped], [split], [argued, reply("done")]):
+            state = tempfile.mkdtemp(dir=STATE)
+            with CannedServer(script, models=(key,)) as server:
+                code, out, err = cli(["--json", "q"], url=server.url,
+                                     env={"LLM_API_KEY": key, "LLM_MODEL": "",
+                                          "XDG_STATE_HOME": state})
+            saved = "".join(open(os.path.join(top, name)).read()
+                            for top, _, names in os.walk(state) for name in names)
+            self.assertNotIn(key, out + err + saved)
+            self.assertIn("***", out + saved)
+
     def test_odd_numbers_and_deep_nesting_are_malformed_not_a_crash(self):
         """Token counts such as "²" or "١٢" (digits to str.isdigit, not to int) count as none;
         a reply nested 600 deep, whole or streamed, is asked for again like any other
