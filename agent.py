@@ -2493,6 +2493,7 @@ def read_stream(session, response) -> dict:
     """A streamed reply put back together into the shape of a whole one, shown as it comes."""
     cfg, show = session.cfg, session.show or (lambda kind, text: None)
     text, reasoning, calls, finish, done, extra = [], [], {}, None, False, {}
+    held = 0   # characters of text, reasoning and calls so far
     for event, data in sse_events(response):
         data = redact(cfg, data)   # before it is quoted or cut, as in exchange()
         if data.strip() == "[DONE]":
@@ -2520,9 +2521,13 @@ def read_stream(session, response) -> dict:
                 if isinstance(value, str) and value:
                     parts.append(value)
                     show(kind, value)
+                    held += len(value)
             fragments = delta.get("tool_calls")
             for fragment in fragments if isinstance(fragments, list) else []:
                 merge_fragment(calls, fragment)
+                held += len(json.dumps(fragment))
+            if held > REPLY_CAP:   # a reply made of many small events, none of them too long
+                raise too_long()
             if choice.get("finish_reason") == "error":
                 raise Retry("the server reported an error in the middle of the reply")
             finish = choice.get("finish_reason") or finish

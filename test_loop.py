@@ -2055,8 +2055,8 @@ class ServerTrustTest(unittest.TestCase):
 
     def test_a_line_or_event_past_the_cap_is_refused_unread(self):
         """A line, or an event of many lines, longer than REPLY_CAP ends the request with one
-        clear line, before the rest is read; a whole reply that long too (and a GET /models
-        is no answer). None is retried."""
+        clear line, before the rest is read; a whole reply that long too, streamed in many
+        events or not (and a GET /models is no answer). None is retried."""
         cap = 256 << 10
         with unittest.mock.patch.object(agent, "REPLY_CAP", cap):
             for data in (b"data: " + b"x" * (4 * cap),                      # one endless line
@@ -2066,8 +2066,10 @@ class ServerTrustTest(unittest.TestCase):
                     list(agent.sse_events(stream))
                 self.assertLess(stream.sent, cap + 65536)
                 self.assertIn("the server sent over 256.0 KB", str(caught.exception))
+            many = b'data: {"choices": [{"delta": {"content": "%s"}}]}\n\n' % (b"w" * 4000)
             for step in ({"sse": [b"data: " + b"z" * (2 * cap) + b"\n\n"]},
-                         {"raw": b"z" * (2 * cap)}):
+                         {"raw": b"z" * (2 * cap)},
+                         {"sse": [many] * (2 * cap // 4000)}):   # many events, none too long
                 run = run_agent([step, reply("never asked for")])
                 self.assertIsInstance(run.answer, agent.Fatal)
                 self.assertIn("the server sent over 256.0 KB", str(run.answer))
