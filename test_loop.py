@@ -1866,6 +1866,38 @@ class ProcessTrustTest(unittest.TestCase):
         self.assertEqual(len(self.read_pids(pids)), 6)
         self.assertEqual(self.alive(self.read_pids(pids)), [])
 
+    def test_a_process_that_forks_away_over_and_over_dies_too(self):
+        """A process that forks, exits and calls setsid over and over, faster than any sweep
+        can kill it, is stopped where it stands, then killed."""
+        runner = os.path.join(tempfile.mkdtemp(dir=STATE), "runner.py")
+        with open(runner, "w") as f:
+            f.write("import os\nwhile True:\n    if os.fork():\n        os._exit(0)\n"
+                    "    os.setsid()\n")
+
+        def running():
+            """The pids of the runner, wherever it has got to."""
+            found = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                with contextlib.suppress(OSError):
+                    with open("/proc/%s/cmdline" % pid, "rb") as f:
+                        if runner.encode() in f.read():
+                            found.append(int(pid))
+            return found
+
+        def kill_them():
+            for _ in range(100):
+                for pid in running():
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGSTOP)
+            for pid in running():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        self.addCleanup(kill_them)
+        result = execute("run_shell", command="%s %s & sleep 0.3" % (sys.executable, runner))
+        self.assertEqual(result, "exit code 0 (no output)")
+        time.sleep(0.1)
+        self.assertEqual(running(), [])
+
     def test_a_second_ctrl_c_does_not_stop_the_kill(self):
         """Ctrl+C stops a command; a second one during the grace it gets before SIGKILL does
         not stop the kill: a child that ignores SIGTERM dies too, then the interrupt goes on."""
