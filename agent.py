@@ -1871,21 +1871,22 @@ def edit_near_miss(root, path, full, before, old, new) -> Plan:
                         f"with more of the lines around it.")
     start, size, width, shift = found[0]
     lines = reindented(path, start, split_lines(new), width, shift)
-    # the file's own line endings, and no newline after its last line if it had none
+    # new takes the place of whole lines, with the file's line endings; a last line with no
+    # newline after it stays without one, and if it goes, the line before keeps its own
     body = before.split("\n")
-    crlf = before.count("\r\n") * 2 > before.count("\n")
-    lines = [line + "\r" * crlf for line in lines]
-    if lines and crlf and start + size == len(body):   # the last line, with no newline
-        lines[-1] = lines[-1][:-1]
     window = [line.rstrip("\r") for line in body[start:start + size]]
-    body[start:start + size] = lines
+    crlf = before.count("\r\n") * 2 > before.count("\n")
+    ended = [line + "\r" * crlf for line in lines]
+    if start + size == len(body):
+        ended = ended[:-1] + lines[-1:] or [""]
+    body[start:start + size] = ended
     after = "\n".join(body)
     encoded(after)
     first, last = start + 1, start + len(lines)
+    matched = f"line {first}" if size == 1 else f"lines {first}-{start + size}"
+    how = tolerances(window, split_lines(old), "\r\n" in old, crlf, width, shift)
     shown = (f"line {first} now reads" if first == last else f"lines {first}-{last} now read"
              if lines else "the lines around them now read")
-    how = tolerances(window, split_lines(old), "\r\n" in old, crlf, width, shift)
-    matched = f"line {first}" if size == 1 else f"lines {first}-{start + size}"
     return plan_write(root, path, full, before, after, f"edited {path} (old matched {matched} "
                       f"only after {how}); {shown}:\n"
                       + numbered(after, first - 2, max(last, first) + 2))
@@ -1938,12 +1939,13 @@ def indent(line) -> str:
 def typeset(line) -> str:
     """A line as a near miss compares it: indentation and trailing whitespace gone, curly
     quotes straight, dashes hyphens."""
-    return line.translate(TYPOGRAPHY).strip(" \t\r\f\v")
+    return line.lstrip(" \t").translate(TYPOGRAPHY).rstrip()
 
 
-def spaces_to_tabs(spaces, width) -> str:
+def spaces_to_tabs(blanks, width) -> str:
     """Indentation with each width spaces read as a tab (what is left over stays spaces)."""
-    return "\t" * (spaces.count(" ") // width) + " " * (spaces.count(" ") % width)
+    spaces = blanks.count(" ")
+    return "\t" * (blanks.count("\t") + spaces // width) + " " * (spaces % width)
 
 
 def indent_shift(file_indents, old_indents, keys):

@@ -1685,6 +1685,8 @@ class ChangingTest(unittest.TestCase):
         ("a blank line inside, any whitespace on it", b"def f():\n    a = 1\n\n    b = 2\n",
          "a = 1\n    \nb = 2", "a = 1\n\nb = 3", b"def f():\n    a = 1\n\n    b = 3\n",
          ["4 spaces deeper"]),
+        ("the last lines removed, the line before keeps its newline", b"a\r\nb  \r\nc",
+         "b\nc", "", b"a\r\n", ["trailing whitespace"]),
     ]
 
     # Edits that must still be refused, the file untouched: (file, old, new, error kind).
