@@ -1884,7 +1884,7 @@ def edit_near_miss(root, path, full, before, old, new) -> Plan:
     encoded(after)
     first, last = start + 1, start + len(lines)
     matched = f"line {first}" if size == 1 else f"lines {first}-{start + size}"
-    how = tolerances(window, split_lines(old), "\r\n" in old, crlf, width, shift)
+    how = tolerances(window, split_lines(old), "\r" in old, crlf, width, shift)
     shown = (f"line {first} now reads" if first == last else f"lines {first}-{last} now read"
              if lines else "the lines around them now read")
     return plan_write(root, path, full, before, after, f"edited {path} (old matched {matched} "
@@ -1911,8 +1911,11 @@ def near_misses(text, old) -> list:
         if keys[start] != wanted_keys[0] or keys[start:start + len(wanted)] != wanted_keys:
             continue
         window = [indent(line) for line in lines[start:start + len(wanted)]]
-        fits = [(width, shift) for old_indents, width in readings.items()
-                for shift in [indent_shift(window, old_indents, wanted_keys)] if shift]
+        fits = []
+        for old_indents, width in readings.items():
+            shift = indent_shift(window, old_indents, wanted_keys)
+            if shift is not None:
+                fits.append((width, shift))
         if fits and fits[0][0] == 0:   # as written: spaces need not be read as tabs
             fits = fits[:1]
         elif len(fits) > 1:            # as tabs: the one width that needs no shift, if any
@@ -1996,7 +1999,7 @@ def tolerances(window, wanted, old_crlf, file_crlf, width, shift) -> str:
     words = []
     if any(f[len(f.rstrip()):] != o[len(o.rstrip()):] for f, o in zip(window, wanted)):
         words.append("trailing whitespace")
-    if old_crlf != file_crlf and len(wanted) > 1:
+    if old_crlf != file_crlf or not words:   # not words: old with \r, but no \n
         words.append("line endings")
     if any(f.strip() != o.strip() for f, o in zip(window, wanted)):
         words.append("curly quotes or dashes")
