@@ -1831,15 +1831,19 @@ def write_file(cfg, path, content):
 
 
 def edit_file(cfg, path, old, new):
-    """Plan to replace the one occurrence of old in a text file with new."""
+    """Plan to replace the one occurrence of old in a text file with new; if old occurs
+    nowhere, the one run of whole lines it nearly matches (edit_near_miss)."""
     if not old:
         raise ToolError("bad_argument", "old is empty; give the exact text to replace (to "
                         "create a file, use write_file)")
     full = regular_file(cfg.root, path)
     before = current_text(path, full)
+    given = old, new
     if old not in before and "\r\n" in before:   # a CRLF file, and the model wrote \n
         old, new = (s.replace("\r\n", "\n").replace("\n", "\r\n") for s in (old, new))
     count = before.count(old)
+    if count == 0:   # not once as written: perhaps a near miss (below)
+        return edit_near_miss(cfg.root, path, full, before, *given)
     if count != 1:
         raise no_single_match(path, before, old, count)
     at = before.index(old)
@@ -1870,6 +1874,183 @@ def no_single_match(path, text, old, count) -> ToolError:
         hint = "The closest lines are:\n" + numbered(text, first, first + old.count("\n") + 1)
     return ToolError("no_match", f"old does not occur in {path!r}, so nothing was changed. "
                      f"{hint}\nRead the file and copy the text exactly, indentation included.")
+
+
+# Small models copy old a little wrong: trailing spaces added or lost, the indentation of the
+# block they meant to quote, spaces where the file has tabs, curly quotes for straight ones.
+# Loose matching that ignores all whitespace has corrupted files elsewhere (a match in the
+# wrong place, an indentation made up), so a near miss is held to four limits: old is taken as
+# whole lines; every one of its lines corresponds to a line of the file, none skipped or merged;
+# the indentation differs by one shift, the same for every line, which new is given too; and
+# only a single place in the file matches. Anything else is still no_match or several_matches.
+
+TYPOGRAPHY = str.maketrans("\u2018\u2019\u201a\u201b\u201c\u201d\u201e\u201f"
+                           "\u2010\u2011\u2012\u2013\u2014\u2015\u00a0",
+                           "''''\"\"\"\"------ ")   # curly quotes, dashes, a non-breaking space
+TAB_WIDTHS = (2, 4, 8)   # spaces a tab may have been copied as
+
+
+def edit_near_miss(root, path, full, before, old, new) -> Plan:
+    """Plan the edit when old occurs nowhere exactly: replace the one run of whole lines it
+    nearly matches with new, re-indented as old had to be; say which tolerance applied."""
+    found = near_misses(before, old)
+    if not found:
+        raise no_single_match(path, before, old, 0)
+    if len(found) > 1:
+        starts = sorted({start + 1 for start, _, _, _ in found})
+        where = (f"{len(starts)} places (lines {', '.join(map(str, starts[:10]))})"
+                 if len(starts) > 1 else f"line {starts[0]} with tabs of {len(found)} widths")
+        raise ToolError("several_matches", f"old does not occur in {path!r} as written, and "
+                        f"nearly matches {where}, so nothing was changed. Copy it exactly, "
+                        f"with more of the lines around it.")
+    start, size, width, shift = found[0]
+    lines = reindented(path, start, split_lines(new), width, shift)
+    # new takes the place of whole lines, with the file's line endings; a last line with no
+    # newline after it stays without one, and if it goes, the line before keeps its own
+    body = before.split("\n")
+    window = [line.rstrip("\r") for line in body[start:start + size]]
+    crlf = before.count("\r\n") * 2 > before.count("\n")
+    ended = [line + "\r" * crlf for line in lines]
+    if start + size == len(body):
+        ended = ended[:-1] + lines[-1:] or [""]
+    body[start:start + size] = ended
+    after = "\n".join(body)
+    encoded(after)
+    first, last = start + 1, start + len(lines)
+    matched = f"line {first}" if size == 1 else f"lines {first}-{start + size}"
+    how = tolerances(window, split_lines(old), "\r" in old, crlf, width, shift)
+    shown = (f"line {first} now reads" if first == last else f"lines {first}-{last} now read"
+             if lines else "the lines around them now read")
+    return plan_write(root, path, full, before, after, f"edited {path} (old matched {matched} "
+                      f"only after {how}); {shown}:\n"
+                      + numbered(after, first - 2, max(last, first) + 2))
+
+
+def near_misses(text, old) -> list:
+    """Every run of whole lines of text that old matches line for line once trailing
+    whitespace, line endings, curly quotes and dashes are set aside, and indentation differs
+    by one uniform shift (perhaps after reading spaces as tabs): [(start, size, width, shift)],
+    start 0-based, width the spaces read as a tab (0: none), shift as indent_shift gives it."""
+    lines, wanted = split_lines(text), split_lines(old)
+    if not any(line.strip() for line in wanted):   # nothing but whitespace: no anchor at all
+        return []
+    keys, wanted_keys = [typeset(line) for line in lines], [typeset(line) for line in wanted]
+    indents = [indent(line) for line in wanted]
+    readings = {tuple(indents): 0}   # old's indentation as written, then as tabs if it can be
+    if not any("\t" in i for i in indents):
+        for width in TAB_WIDTHS:
+            readings.setdefault(tuple(spaces_to_tabs(i, width) for i in indents), width)
+    found = []
+    for start in range(len(lines) - len(wanted) + 1):
+        if keys[start] != wanted_keys[0] or keys[start:start + len(wanted)] != wanted_keys:
+            continue
+        window = [indent(line) for line in lines[start:start + len(wanted)]]
+        fits = []
+        for old_indents, width in readings.items():
+            shift = indent_shift(window, old_indents, wanted_keys)
+            if shift is not None:
+                fits.append((width, shift))
+        if fits and fits[0][0] == 0:   # as written: spaces need not be read as tabs
+            fits = fits[:1]
+        elif len(fits) > 1:            # as tabs: the one width that needs no shift, if any
+            fits = [fit for fit in fits if not fit[1][0]] or fits
+        # subtle: '    x' is one tab at width 4, or two tabs shifted out by one at width 2;
+        # several readings of one place are refused like several places
+        found += [(start, len(wanted), width, shift) for width, shift in fits]
+    return found
+
+
+def split_lines(text) -> list:
+    """text as whole lines, without their \\n or \\r\\n; a last newline starts no line."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def indent(line) -> str:
+    """The spaces and tabs a line starts with."""
+    return line[:len(line) - len(line.lstrip(" \t"))]
+
+
+def typeset(line) -> str:
+    """A line as a near miss compares it: indentation and trailing whitespace gone, curly
+    quotes straight, dashes hyphens."""
+    return line.lstrip(" \t").translate(TYPOGRAPHY).rstrip()
+
+
+def spaces_to_tabs(blanks, width) -> str:
+    """Indentation with each width spaces read as a tab (what is left over stays spaces)."""
+    spaces = blanks.count(" ")
+    return "\t" * (blanks.count("\t") + spaces // width) + " " * (spaces % width)
+
+
+def indent_shift(file_indents, old_indents, keys):
+    """The one shift that turns every non-blank line's indentation in old into the file's:
+    ("+", prefix) the file is deeper, ("-", prefix) shallower, ("", "") none; else None."""
+    shift = None
+    for here, there, key in zip(file_indents, old_indents, keys):
+        if not key:   # a blank line matches a blank line, whatever whitespace it holds
+            continue
+        if here.endswith(there):
+            this = ("+", here[:len(here) - len(there)])
+        elif there.endswith(here):
+            this = ("-", there[:len(there) - len(here)])
+        else:
+            return None
+        this = this if this[1] else ("", "")
+        if shift not in (None, this):   # subtle: one line deeper than the others is no shift
+            return None
+        shift = this
+    return shift
+
+
+def reindented(path, start, lines, width, shift) -> list:
+    """new's lines, with the tabs and indentation shift old needed to match; blank lines and
+    everything after the indentation as the model wrote them."""
+    sign, prefix = shift
+    out = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            if width:
+                line = spaces_to_tabs(indent(line), width) + line.lstrip(" \t")
+            if sign == "+":
+                line = prefix + line
+            elif sign == "-":
+                if not line.startswith(prefix):
+                    raise ToolError("no_match", f"old nearly matches line {start + 1} of "
+                                    f"{path!r}, where the file is indented {len(prefix)} "
+                                    f"characters less, but line {n} of new is not indented "
+                                    f"that far, so nothing was changed. Copy old and new with "
+                                    f"the file's indentation.")
+                line = line[len(prefix):]
+        out.append(line)
+    return out
+
+
+def tolerances(window, wanted, old_crlf, file_crlf, width, shift) -> str:
+    """In words, what a near miss set aside between the file's lines and old's."""
+    words = []
+    if any(f[len(f.rstrip()):] != o[len(o.rstrip()):] for f, o in zip(window, wanted)):
+        words.append("trailing whitespace")
+    if old_crlf != file_crlf or not words:   # not words: old with \r, but no \n
+        words.append("line endings")
+    if any(f.strip() != o.strip() for f, o in zip(window, wanted)):
+        words.append("curly quotes or dashes")
+    if width:
+        words.append(f"tabs copied as {width} spaces")
+    sign, prefix = shift
+    if sign:
+        unit = "tab" if set(prefix) == {"\t"} else "space" if set(prefix) == {" "} else "blank"
+        depth = "deeper" if sign == "+" else "shallower"
+        words.append(f"an indentation {len(prefix)} {unit}{'s' * (len(prefix) > 1)} {depth} "
+                     f"in the file")
+    how = "ignoring " + (", ".join(words[:-1]) + " and " if len(words) > 1 else "") + words[-1]
+    if width or sign:
+        how += "; new was re-indented to match"
+    if "curly quotes or dashes" in words:
+        how += "; new is written as given"
+    return how
 
 
 def current_text(path, full) -> Optional[str]:

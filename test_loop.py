@@ -1707,6 +1707,106 @@ class ChangingTest(unittest.TestCase):
             "edited"))
         self.assertEqual(self.read("w.txt"), b"caf\xe9\r\n1\r\n2\r\n")
 
+    # Near misses (agent.py, section 13): (file, old, new, the file after, words the result
+    # must hold). Each fails on an edit_file that only matches exactly, but the CRLF one.
+    NEAR_MISSES = [
+        ("trailing spaces in old", b"def f():\n    return 1\n", "def f():  \n    return 1 ",
+         "def f():\n    return 2", b"def f():\n    return 2\n", ["trailing whitespace"]),
+        ("trailing spaces missing from old", b"x = 1   \ny = 2\n", "x = 1\ny = 2",
+         "x = 10\ny = 20", b"x = 10\ny = 20\n", ["trailing whitespace"]),
+        ("old 4 spaces shallower than the file",
+         b"class A:\n    def f(self):\n        return 1\n", "def f(self):\n    return 1",
+         "def f(self):\n    return 2\n", b"class A:\n    def f(self):\n        return 2\n",
+         ["4 spaces deeper in the file", "re-indented"]),
+        ("old 4 spaces deeper than the file", b"if x:\n    y = 1\nz = 2\n",
+         "    if x:\n        y = 1", "    if x:\n        y = 2\n", b"if x:\n    y = 2\nz = 2\n",
+         ["4 spaces shallower in the file", "re-indented"]),
+        ("tabs in the file, spaces in old", b"def f():\n\tif x:\n\t\treturn 1\n",
+         "    if x:\n        return 1", "    if x:\n        return 2",
+         b"def f():\n\tif x:\n\t\treturn 2\n", ["tabs copied as 4 spaces", "re-indented"]),
+        ("a CRLF file, old with LF (matched exactly, as before)", b"a = 1\r\nb = 2\r\n",
+         "a = 1\nb = 2", "a = 3\nb = 4", b"a = 3\r\nb = 4\r\n", []),
+        ("a CRLF file, old with LF and trailing spaces, shifted",
+         b"if x:\r\n    y = 1  \r\n    z = 2\r\n", "y = 1\nz = 2\n", "y = 3\nz = 4\n",
+         b"if x:\r\n    y = 3\r\n    z = 4\r\n", ["trailing whitespace", "line endings"]),
+        ("curly quotes in old, straight in the file", b'print("hello")\n',
+         "print(\u201chello\u201d)", 'print("goodbye")', b'print("goodbye")\n',
+         ["curly quotes"]),
+        ("straight quotes in old, curly in the file (new written as given)",
+         "s = \u2018hi\u2019\n".encode(), "s = 'hi'", "s = 'ho'", b"s = 'ho'\n",
+         ["curly quotes", "new is written as given"]),
+        ("an en dash in old, a hyphen in the file", b"x = a - b\nok = 1\n",
+         "x = a \u2013 b\nok = 1", "x = a + b\nok = 1", b"x = a + b\nok = 1\n",
+         ["curly quotes or dashes"]),
+        ("the last line, no newline after it", b"if x:\n    y = 1", "y = 1 ", "y = 2",
+         b"if x:\n    y = 2", ["trailing whitespace", "4 spaces deeper"]),
+        ("a blank line inside, any whitespace on it", b"def f():\n    a = 1\n\n    b = 2\n",
+         "a = 1\n    \nb = 2", "a = 1\n\nb = 3", b"def f():\n    a = 1\n\n    b = 3\n",
+         ["4 spaces deeper"]),
+        ("the last lines removed, the line before keeps its newline", b"a\r\nb  \r\nc",
+         "b\nc", "", b"a\r\n", ["trailing whitespace"]),
+    ]
+
+    # Edits that must still be refused, the file untouched: (file, old, new, error kind).
+    NOT_NEAR_ENOUGH = [
+        ("a line in the middle differs", b"a = 1\nb = 2\nc = 3\n", "a = 1 \nb = 9\nc = 3",
+         "x", "no_match"),
+        ("a line of the file skipped", b"a = 1\nb = 2\nc = 3\n", "a = 1 \nc = 3", "x",
+         "no_match"),
+        ("spaces inside a line differ", b"a = b + c\n", "a = b  + c", "x", "no_match"),
+        ("matches twice once trailing spaces are ignored",
+         b"if x:\n    y = 1\nif z:\n    y = 1\n", "y = 1 ", "y = 2", "several_matches"),
+        ("an indentation shift that is not uniform", b"if x:\n    y = 1\n    z = 2\n",
+         "if x:\ny = 1\nz = 2", "x", "no_match"),
+        ("part of a line, matching only loosely", "total = price * 2  # \u201cnet\u201d\n"
+         .encode(), 'price * 2  # "net"', "price * 3", "no_match"),
+        ("old of whitespace only", b"a\n\n\nb\n", "  \n \n", "x", "no_match"),
+        ("old empty", b"a\n", "", "x", "bad_argument"),
+        ("new not indented enough to shift back", b"if x:\n    y = 1\n",
+         "    if x:\n        y = 1", "if x:\ny = 2", "no_match"),
+        ("spaces read as tabs of two widths", b"\t\t\tx\n\t\t\ty\n", "    x\n    y", "z",
+         "several_matches"),
+    ]
+
+    def test_near_misses_apply_and_say_which_tolerance(self):
+        """An old that occurs nowhere, but matches one run of whole lines once trailing
+        whitespace, line endings, curly quotes and dashes, a uniform indentation shift or
+        tabs are set aside, is applied, new re-indented to match; the result names it."""
+        for name, text, old, new, after, words in self.NEAR_MISSES:
+            with self.subTest(name):
+                path = self.path("near.py", text)
+                result = execute("edit_file", path=path, old=old, new=new)
+                self.assertTrue(result.startswith("edited %s " % path if words else
+                                                  "edited %s; " % path), result)
+                for word in words:
+                    self.assertIn(word, result)
+                self.assertEqual(self.read("near.py"), after)
+
+    def test_edits_not_near_enough_are_refused(self):
+        """A near miss is never taken when a line in the middle differs, lines are skipped,
+        the shift is not the same for every line, old is part of a line or only whitespace,
+        or it matches twice: the edit is refused and the file is not touched."""
+        for name, text, old, new, kind in self.NOT_NEAR_ENOUGH:
+            with self.subTest(name):
+                path = self.path("far.py", text)
+                result = execute("edit_file", path=path, old=old, new=new)
+                self.assertTrue(result.startswith("error: %s:" % kind), result)
+                self.assertEqual(self.read("far.py"), text)
+
+    def test_a_near_miss_previews_the_real_change(self):
+        """The diff for a near miss shows the file's lines as they are and as they will be,
+        with the file's indentation, not old and new as the model wrote them."""
+        previews = []
+
+        def look(name, args, plan):
+            previews.append(plan.preview)
+            return False, "just looking"
+        path = self.path("p.py", b"def f():\n    return 1  \n")
+        agent.execute(CFG, "edit_file", json.dumps({"path": path, "old": "  return 1\n",
+                                                    "new": "  return 2\n"}), approve=look)
+        self.assertIn("\n-    return 1  \n+    return 2", previews[0])
+        self.assertEqual(self.read("p.py"), b"def f():\n    return 1  \n")
+
     def test_a_path_swapped_for_a_link_before_the_yes_is_not_written(self):
         """If a folder becomes a link out while the user decides, the write does not happen."""
         os.mkdir(os.path.join(self.dir, "swap"))
