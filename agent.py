@@ -15,11 +15,13 @@ Every coding agent (Claude Code, opencode, Codex, this one) runs the same loop:
     out of rounds: ask once more, with tool_choice "none"      an answer all the same
 
 Two ideas make the whole of it:
-  - The transcript is all the state there is. The model remembers nothing from one request
-    to the next: every request carries every message so far, and the program only appends.
+  - The transcript is all the state there is, as far as the model knows. It remembers nothing
+    from one request to the next: every request carries every message so far, and the program
+    only appends to them.
   - The model only proposes calls; the program decides what runs. A tool call is a few words
-    of JSON in a reply: the executor checks them, keeps every path inside the workspace, asks
-    the user before anything changes, and turns every failure into text the model can read.
+    of JSON in a reply: the executor checks them, the tools keep every path inside the
+    workspace, the user is asked before anything changes, and every failure becomes text the
+    model can read.
 
 The five pieces, each one name in this file:
     a tool-calling endpoint     post_chat()          one POST, retried; the reply made strict
@@ -197,8 +199,8 @@ repeat a refused call.
 READ_ONLY = "- This session is read-only: you can look, but not change files or run commands.\n"
 
 # Sent as a user message when the tool budget is spent, with tool_choice "none" (section 3).
-FINAL_REQUEST = ("[agent] Tool budget spent: {why}. Do not call tools. Answer the question now, "
-                 "as well as you can from what you found, and say what is still unknown.")
+FINAL_REQUEST = ("[agent] Stopped ({why}). Do not call tools. Answer the question now, as well "
+                 "as you can from what you found, and say what is still unknown.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,8 +229,10 @@ class Session:
     handlers: dict = dataclasses.field(default_factory=dict)  # the session's own tools: MCP, task
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
     always: set = dataclasses.field(default_factory=set)     # tools the user always allows
-    changes: int = 0                       # changes made so far: a repeat after one is new
-    interrupted: bool = False              # Ctrl+C ended the turn: reads left running hush
+    changes: int = 0                       # changes made so far: a call repeated after one
+                                           # may see something new, so is not a repeat
+    interrupted: bool = False              # Ctrl+C ended the turn: reads still running in
+                                           # threads print nothing more
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
     # the server (sections 9, 16-18)
     transport: Optional[Callable] = None   # request body -> reply JSON: post_chat, or a script
@@ -247,7 +251,7 @@ class Session:
     def say(self, text, style="", end="\n", raw=False):
         """Print for the human on stderr; stdout carries only the answer. Whatever text holds
         is made printable first (raw: the program's own escapes, which it leaves alone)."""
-        text = text if raw else printable(text)   # the one place no line can forget
+        text = text if raw else printable(text)   # here, so that no caller can forget it
         if self.indent:
             text = text.replace("\n", "\n" + self.indent)
             text = text if text.startswith("\r") else self.indent + text
@@ -302,7 +306,7 @@ def append(session, message):
 def run_turn(session, question) -> str:
     """Answer one user message: query, run the tools the model calls, repeat until it answers."""
     session.interrupted = False
-    close_turn(session, "[interrupted by the user]")   # subtle: see close_turn()
+    close_turn(session, "[interrupted by the user]")   # mends a turn a Ctrl+C left open
     append(session, {"role": "user", "content": question})
     why = "max_turns"
     try:
@@ -319,8 +323,10 @@ def run_turn(session, question) -> str:
                 return reply.message["content"]
             if reply.message["content"] and "content" not in session.shown:
                 session.say(reply.message["content"])   # thinking aloud, before its calls
-            times = collections.Counter()   # (changes so far, tool, arguments) -> times called
+            times = collections.Counter()   # each distinct call -> how often this reply makes it
             for call, result in zip(tool_calls, run_calls(session, reply, times)):
+                # a result the model was given before, word for word, comes back as a pointer
+                # to it ("unchanged: … read it there"), not a copy (section 18)
                 append(session, {"role": "tool", "tool_call_id": call["id"],
                                  "content": unchanged(session, call, result)})
             if max(times.values()) > REPEAT_LIMIT + 1:
@@ -336,6 +342,15 @@ def run_turn(session, question) -> str:
         session.emit("error", message=str(e))
         close_turn(session, f"[no reply: {e}]")
         raise
+
+
+@dataclasses.dataclass
+class Reply:
+    """A model's reply, normalised: what enters the transcript and what the executor gets."""
+    message: dict          # {"role": "assistant", "content": str, "tool_calls"?: [...]}
+    arguments: list        # each call's arguments as the model sent them, for the executor
+    finish_reason: str     # "stop", "tool_calls", "length", ...
+    reasoning: str = ""    # thinking text, shown dimmed and kept out of the transcript
 
 
 def query(session, tool_choice=None) -> Reply:
@@ -360,7 +375,8 @@ def query(session, tool_choice=None) -> Reply:
         if not compact(session, "the server says the context is full"):
             raise
         sent = len(session.messages)
-        data = session.transport(body)   # subtle: body["messages"], compacted in place
+        data = session.transport(body)   # the same body: its messages are the session's,
+                                         # which compact() has just shortened in place
     reply = normalise(session, data)
     count_usage(session, data, sent, time.monotonic() - start)
     if reply.reasoning and "reasoning" not in session.shown:   # streamed: shown already
@@ -391,9 +407,10 @@ def close_turn(session, note):
     """After an interruption or a failure: settle the transcript and save it. Before a turn,
     the same mends one that an earlier Ctrl+C left open before it could be closed."""
     # subtle: a double tap on Ctrl+C must not cut this short, or a call stays unanswered, here
-    # and on disk, and strict servers refuse every request after it. The second tap waits
-    # while it runs; should it land just as it begins, it begins again.
-    TimeLimit.disarm()   # a Ctrl+C that landed inside TimeLimit.__exit__ may have left it set
+    # and on disk, and strict servers refuse every request after it. uninterrupted() holds the
+    # second Ctrl+C back until the settling is done; if that Ctrl+C comes in the instant before
+    # the hold is in place, the settling is simply done again.
+    TimeLimit.disarm()   # a tool's 30-second alarm, should the Ctrl+C have cut in as it ended
     try:
         uninterrupted(lambda: (settle(session.messages, note), save(session)))
     except KeyboardInterrupt:
@@ -417,6 +434,21 @@ def open_calls(messages) -> list:
         return []
     answered = {m.get("tool_call_id") for m in messages[last + 1:]}
     return [call for call in messages[last]["tool_calls"] if call["id"] not in answered]
+
+
+# Two kinds of error, kept apart. What the model can fix (a bad path, a regex that does not
+# compile) is a ToolError (section 5), and becomes an "error:" result that the loop sends back to it. What
+# it cannot fix (no server, HTTP 401, a full context, a bad flag) is a Fatal: the turn ends,
+# and main() prints one line and exits with the code it carries.
+
+class Fatal(Exception):
+    """What the model cannot fix (no server, HTTP 401, a full context): main() prints one line."""
+    exit_code = 1
+
+
+class UsageError(Fatal):
+    """A bad flag, variable or argument: the user must fix the command line."""
+    exit_code = 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -665,8 +697,9 @@ def resolve(root, path) -> str:
         full = os.path.realpath(os.path.join(root, path)) if path.encode().strip() else ""
     except (AttributeError, ValueError, UnicodeError):   # not a string, a NUL, a lone surrogate
         full = ""
-    # subtle: a newline in a path could draw a fake diff header above the real one, and
-    # realpath('X/../Makefile') is Makefile whatever X holds: such paths are refused
+    # subtle: a path such as 'X\n+++ b/README.md\n…/../Makefile' resolves to Makefile (realpath
+    # drops 'X…/..' whatever X holds), but its line breaks would draw a fake diff header for
+    # README.md above the real one: a path that does not show as itself is refused
     if full and not (shows_as_is(path) and shows_as_is(relative(root, full))):
         raise ToolError("bad_path", f"{path!r} holds a control character or a line break; "
                         f"give the path as plain text")
@@ -897,8 +930,8 @@ def ask_permission(session, name, args, plan):
 
 
 def discard_typed_ahead(terminal):
-    """Throw away what was typed before the question was asked (a follow-up for the model,
-    starting 'a quick …', must not be read as [a]lways)."""
+    """Throw away what was typed before the question was asked: a line meant for the model
+    must not answer the question (a 'y' typed ahead would be a yes)."""
     try:
         termios.tcflush(terminal.fileno(), termios.TCIFLUSH)
     except (AttributeError, OSError, ValueError):   # no termios (Windows): nothing to flush
@@ -1043,7 +1076,8 @@ def exchange(session, body) -> dict:
         raise no_answer_error(session, e) from None
     if len(raw) > REPLY_CAP:
         raise too_long()
-    # subtle: before anything quotes the body, or cuts it where the key would lose its end
+    # subtle: the API key is blanked out first, before an error quotes the body or cuts it
+    # short: a cut through the key would leave a piece that no search for the key finds
     raw = redact(cfg, raw)
     data = server_json(raw)
     message = error_message(data)
@@ -1079,15 +1113,6 @@ def connect(cfg, method, path, body=None, timeout=None):
 # servers disagree about its shape: arguments as text, an object or nothing; ids missing or
 # reused; reasoning in one field or another, or in the text. normalise() reshapes every reply
 # into the one form that every server accepts back, before it enters the transcript.
-
-@dataclasses.dataclass
-class Reply:
-    """A model's reply, normalised: what enters the transcript and what the executor gets."""
-    message: dict          # {"role": "assistant", "content": str, "tool_calls"?: [...]}
-    arguments: list        # each call's arguments as the model sent them, for the executor
-    finish_reason: str     # "stop", "tool_calls", "length", ...
-    reasoning: str = ""    # thinking text, shown dimmed and kept out of the transcript
-
 
 def normalise(session, data) -> Reply:
     """The assistant message of a reply, reshaped so every server accepts it back."""
@@ -1159,21 +1184,6 @@ def unique_call_id(session, given) -> str:
     # subtle: 9 letters and digits, the one shape that Mistral's chat templates accept
     session.call_ids.add(f"call{n:05d}")
     return f"call{n:05d}"
-
-
-# Two kinds of error, kept apart. What the model can fix (a bad path, a regex that does not
-# compile) is a ToolError, and becomes an "error:" result that the loop sends back to it. What
-# it cannot fix (no server, HTTP 401, a full context, a bad flag) is a Fatal: the turn ends,
-# and main() prints one line and exits with the code it carries.
-
-class Fatal(Exception):
-    """What the model cannot fix (no server, HTTP 401, a full context): main() prints one line."""
-    exit_code = 1
-
-
-class UsageError(Fatal):
-    """A bad flag, variable or argument: the user must fix the command line."""
-    exit_code = 2
 
 
 # That is the whole agent. run_turn() appends the question and asks; query() sends the
