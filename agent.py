@@ -437,9 +437,9 @@ def open_calls(messages) -> list:
 
 
 # Two kinds of error, kept apart. What the model can fix (a bad path, a regex that does not
-# compile) is a ToolError (section 5), and becomes an "error:" result that the loop sends back to it. What
-# it cannot fix (no server, HTTP 401, a full context, a bad flag) is a Fatal: the turn ends,
-# and main() prints one line and exits with the code it carries.
+# compile) is a ToolError (section 5), and becomes an "error:" result that the loop sends back
+# to it. What it cannot fix (no server, HTTP 401, a full context, a bad flag) is a Fatal: the
+# turn ends, and main() prints one line and exits with the code it carries.
 
 class Fatal(Exception):
     """What the model cannot fix (no server, HTTP 401, a full context): main() prints one line."""
