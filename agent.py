@@ -120,6 +120,7 @@ REPEAT_LIMIT = 2       # runs of one exact call in one reply: a 3rd is refused, 
 
 RESULT_CAP = 8_000     # characters of one tool result the model sees
 LINE_CAP = 500         # characters of one line that read_file shows
+LEAD_IN_CAP = 200      # characters of text before a tool call written as text; more explains it
 MATCH_CAP = 100        # matches that search shows (all are counted)
 PATH_CAP = 200         # entries that list_dir and find_files show
 BLOCK = 1 << 20        # bytes read at a time from a file; memory stays flat on huge files
@@ -228,6 +229,7 @@ class Session:
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
     always: set = dataclasses.field(default_factory=set)     # tools the user always allows
     changes: int = 0                       # changes made so far: a repeat after one is new
+    recovered: int = 0                     # calls the model wrote as text, recovered (section 9)
     interrupted: bool = False              # Ctrl+C ended the turn: reads left running hush
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
     # the server (sections 9, 16-18)
@@ -361,7 +363,7 @@ def query(session, tool_choice=None) -> Reply:
             raise
         sent = len(session.messages)
         data = session.transport(body)   # subtle: body["messages"], compacted in place
-    reply = normalise(session, data)
+    reply = normalise(session, data, [] if tool_choice == "none" else session.tools)
     count_usage(session, data, sent, time.monotonic() - start)
     if reply.reasoning and "reasoning" not in session.shown:   # streamed: shown already
         session.say(printable(reply.reasoning), DIM)
@@ -545,8 +547,8 @@ def execute(cfg, name, arguments, tools=TOOLS, approve=None, handlers=None) -> s
     """
     schemas = {t["function"]["name"]: t["function"] for t in tools}
     if name not in schemas:
-        return (f"error: unknown_tool: there is no tool {name!r}; the tools are "
-                f"{', '.join(schemas)}")
+        what = "the call named no tool" if name == NAMELESS else f"there is no tool {name!r}"
+        return f"error: unknown_tool: {what}; the tools are {', '.join(schemas)}"
     args = {}
     try:
         args = parse_arguments(arguments)
@@ -1061,8 +1063,12 @@ class Reply:
     reasoning: str = ""    # thinking text, shown dimmed and kept out of the transcript
 
 
-def normalise(session, data) -> Reply:
-    """The assistant message of a reply, reshaped so every server accepts it back."""
+NAMELESS = "unnamed_call"   # the name a call that came without one is given in the transcript
+
+
+def normalise(session, data, tools=()) -> Reply:
+    """The assistant message of a reply, reshaped so every server accepts it back. tools: those
+    offered with the request, which a call the model wrote as text may be recovered for."""
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise Fatal(f"the model's reply has no choices: "
@@ -1086,10 +1092,23 @@ def normalise(session, data) -> Reply:
             continue
         fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
         args = fn.get("arguments", fn.get("parameters"))
+        name = fn.get("name")
+        # subtle: a call with no name must still have one, or strict servers refuse the
+        # transcript; the executor answers NAMELESS with an error that says it had none
+        name = name if isinstance(name, str) and name.strip() else NAMELESS
         arguments.append(args)
         calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function",
-                      "function": {"name": str(fn.get("name") or ""),
-                                   "arguments": json_arguments(args)}})
+                      "function": {"name": name, "arguments": json_arguments(args)}})
+    if not calls and tools and session.cfg.text_tools:   # a call the server's parser missed
+        content, recovered = text_calls(content, tools)
+        for name, args in recovered:
+            arguments.append(args)
+            calls.append({"id": unique_call_id(session, None), "type": "function",
+                          "function": {"name": name, "arguments": json_arguments(args)}})
+        if recovered:
+            session.recovered += len(recovered)
+            session.say("  (recovered a tool call written as text)" if len(recovered) == 1
+                        else f"  (recovered {len(recovered)} tool calls written as text)", YELLOW)
     reply = {"role": "assistant", "content": content}
     if calls:   # subtle: an empty tool_calls list is rejected by strict servers
         reply["tool_calls"] = calls
@@ -1130,6 +1149,173 @@ def unique_call_id(session, given) -> str:
     session.call_ids.add(f"call{n:05d}")
     return f"call{n:05d}"
 
+
+# A server whose parser misses a tool call (a chat template without tools, Ollama, a model that
+# strays from its format) hands the call over as plain text, and the loop would take it for
+# the answer. So a reply with no tool calls has its text read once more for the shapes that
+# small local models write. Only when the text *is* the call is it run: after at most a short
+# lead-in, with nothing after it, naming a tool offered with this request, with arguments
+# that pass the executor's own checks. A call the text quotes or explains stays text.
+
+def text_calls(content, tools) -> tuple:
+    """(the text before them, [(name, arguments)]) when content is tool calls written as text;
+    else (content, []): it is the answer."""
+    start = TEXT_CALL.search(content)
+    if not start or not lead_in(content[:start.start()]):
+        return content, []
+    body = re.sub(r"(?:<\|eot_id\|>|<\|eom_id\|>|<\|im_end\|>|</s>)\s*\Z", "",
+                  content[start.start():].strip())   # an end token the server left in
+    schemas = {t["function"]["name"]: t["function"] for t in tools}
+    found = read_text_calls(body.strip(), schemas) or []
+    if not found or not all(text_call_ok(schemas, name, args) for name, args in found):
+        return content, []   # when in doubt, it is the answer
+    return content[:start.start()].strip(), found
+
+
+# Where a call may begin: a tag, or a fence, object or list at the start of a line.
+TEXT_CALL = re.compile(r"<tool_call>|<function=|\[TOOL_CALLS\]|<\|python_tag\|>|^```|^[{\[]",
+                       re.M)
+# Words that make the text before a call an explanation of it, not an announcement.
+EXPLAINS = re.compile(r"example|e\.g\.|for instance|such as|like this|like so|as follows|format|"
+                      r"syntax|\b(?:you (?:can|could|may)|would|could|should|might)\b|[`?]",
+                      re.I)
+# How a lead-in that ends in a colon begins when it announces the model's own next step.
+ANNOUNCES = re.compile(r"(?:(?:now|first|next|then|ok|okay|sure)\b[,.!]?\s*)?(?:i\b|let me\b|"
+                       r"let's\b)", re.I)
+
+
+def lead_in(text) -> bool:
+    """Text before a call that may stay as its content: short, one paragraph, not explaining
+    it; if it ends in a colon, it says what the model itself will do ("Let me look:")."""
+    text = text.strip()
+    return (len(text) <= LEAD_IN_CAP and "\n\n" not in text and not EXPLAINS.search(text) and
+            (not text.endswith(":") or bool(ANNOUNCES.match(text))))
+
+
+def read_text_calls(body, schemas) -> Optional[list]:
+    """The calls body is made of, [(name, arguments)]; None if it holds anything else."""
+    if body.startswith("<tool_call>"):   # Hermes, Qwen: a block per call; the last may be open
+        blocks, calls = body.split("<tool_call>")[1:], []
+        for i, block in enumerate(blocks):
+            inner, closed, after = block.partition("</tool_call>")
+            inner = inner.strip()
+            if after.strip() or not (closed or i == len(blocks) - 1):
+                return None
+            found = xml_calls(inner, schemas) if inner.startswith("<function=") \
+                else json_calls(inner)
+            if not found:
+                return None
+            calls += found
+        return calls
+    if body.startswith("<function="):    # Qwen3-Coder's XML, without <tool_call> around it
+        return xml_calls(body, schemas)
+    if body.startswith("[TOOL_CALLS]"):  # Mistral: a JSON list, or NAME[ARGS]{...} per call
+        return mistral_calls(body[len("[TOOL_CALLS]"):])
+    if body.startswith("<|python_tag|>"):   # Llama 3.x: JSON after the tag, ';' between calls
+        return json_calls(body[len("<|python_tag|>"):])
+    if body.startswith("```"):           # alone in a fence, marked json or not marked at all
+        fence = re.fullmatch(r"```(?:json)?[ \t]*\n(.*)\n```", body, re.S)
+        return json_calls(fence.group(1)) if fence else None
+    return json_calls(body)              # bare JSON: an object, or a list of objects
+
+
+def json_calls(text) -> Optional[list]:
+    """Calls written as JSON: an object, a list of objects, or objects one after another."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        try:
+            value, i = decoder.raw_decode(text, re.compile(r"[\s;]*").match(text, i).end())
+        except (ValueError, RecursionError):
+            return None
+        for item in value if isinstance(value, list) else [value]:
+            call = json_call(item)
+            if call is None:
+                return None
+            calls.append(call)
+        i = re.compile(r"[\s;]*").match(text, i).end()
+    return calls or None
+
+
+def json_call(item) -> Optional[tuple]:
+    """(name, arguments) of one call written as a JSON object; None if it is not one."""
+    if isinstance(item, dict) and set(item) <= {"id", "type", "function"} and \
+            isinstance(item.get("function"), dict):
+        item = item["function"]          # the API's own shape, written out
+    if not isinstance(item, dict) or "name" not in item or \
+            not set(item) <= {"id", "type", "name", "arguments", "parameters"} or \
+            item.get("type", "function") != "function":
+        return None
+    arguments = item.get("arguments", item.get("parameters"))
+    if isinstance(arguments, str):       # arguments as JSON text, as the API sends them
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    return (item["name"], arguments) if isinstance(arguments, dict) else None
+
+
+XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.S)
+
+
+def xml_calls(text, schemas) -> Optional[list]:
+    """Calls in Qwen3-Coder's XML, <function=NAME><parameter=P>value</parameter></function>,
+    each value read as the type the tool's schema gives it, as Qwen's own parser does."""
+    calls, i = [], 0
+    while i < len(text):
+        function = XML_FUNCTION.match(text, i)
+        if not function:
+            return None
+        name, inner, arguments, j = function.group(1).strip(), function.group(2), {}, 0
+        properties = schemas.get(name, {}).get("parameters", {}).get("properties", {})
+        while j < len(inner):
+            parameter = XML_PARAMETER.match(inner, j)
+            if not parameter:
+                return None
+            key, value = parameter.group(1).strip(), parameter.group(2)
+            value = value[1:] if value.startswith("\n") else value   # the template's newlines
+            value = value[:-1] if value.endswith("\n") else value
+            if properties.get(key, {}).get("type", "string") != "string":
+                try:
+                    value = json.loads(value)   # 5, true, [1, 2]: a number, not the text "5"
+                except (ValueError, RecursionError):
+                    pass                   # left as text; the check then refuses it
+            arguments[key], j = value, parameter.end()
+        calls.append((name, arguments))
+        i = function.end()
+    return calls or None
+
+
+def mistral_calls(text) -> Optional[list]:
+    """Calls after Mistral's [TOOL_CALLS]: a JSON list, or NAME[ARGS]{...} after each tag."""
+    calls = []
+    for part in text.split("[TOOL_CALLS]"):
+        named = re.match(r"\s*([\w.-]+)(?:\[CALL_ID\]\w+)?\[ARGS\]", part)
+        try:
+            found = [(named.group(1), json.loads(part[named.end():]))] if named \
+                else json_calls(part.strip())
+        except (ValueError, RecursionError):
+            return None
+        if not found or not isinstance(found[-1][1], dict):
+            return None
+        calls += found
+    return calls
+
+
+def text_call_ok(schemas, name, arguments) -> bool:
+    """True if a call written as text names a tool offered with the request, with arguments
+    that pass the checks a real call's would: the schema's, or (MCP, task) its required keys."""
+    schema = schemas.get(name) if isinstance(name, str) else None
+    if schema is None or not isinstance(arguments, dict):
+        return False
+    parameters = schema.get("parameters") or {}
+    if name not in TOOL_FUNCTIONS:       # a session's own tool checks its own arguments
+        return all(key in arguments for key in parameters.get("required", []))
+    try:
+        check_arguments(schema, arguments)
+        return True
+    except ToolError:
+        return False
 
 # Two kinds of error, kept apart. What the model can fix (a bad path, a regex that does not
 # compile) is a ToolError, and becomes an "error:" result that the loop sends back to it. What
@@ -3319,6 +3505,7 @@ def repair(messages, system) -> list:
 #     AGENT_CONTEXT   context budget in tokens           default: the server's, else 32768
 #     AGENT_YES       1: allow every change unasked      default 0
 #     AGENT_READ_ONLY 1: offer no tool that changes      default 0
+#     AGENT_TEXT_TOOLS 0: run no calls written as text   default 1
 #     MAX_TURNS       tool rounds per question           default 20
 #     NO_COLOR        set to anything: no colour
 #     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
@@ -3354,6 +3541,7 @@ class Config:
     resume: Optional[str] = None   # a saved session to go on with ("" = this root's latest)
     output: str = "text"    # one-shot stdout: "text", "json" (one object), "jsonl" (events)
     trace: str = ""         # a file to add a JSON line to for every model and tool call
+    text_tools: bool = True  # run tool calls a model wrote as text (AGENT_TEXT_TOOLS=0: don't)
 
 
 def load_config(argv=None, environ=None) -> Config:
@@ -3407,6 +3595,7 @@ def load_config(argv=None, environ=None) -> Config:
         shell=shutil.which("bash", path=env.get("PATH")) or "/bin/sh",
         ripgrep=shutil.which("rg", path=env.get("PATH")) or "",
         stream=not args.no_stream and env_flag(env.get("LLM_STREAM", "1")),
+        text_tools=env_flag(env.get("AGENT_TEXT_TOOLS", "1")),
         verbose=args.verbose,
         shell_env=shell_env,
     )
@@ -3655,7 +3844,8 @@ def one_shot(session, question) -> int:
         {k: c[k] for k in ("name", "arguments", "ok", "seconds")} for c in calls],
         "usage": {"prompt_tokens": used["prompt"], "cached_tokens": used["cached"],
                   "completion_tokens": used["generated"], "seconds": round(used["seconds"], 3)},
-        "exit_reason": session.exit_reason if answer.strip() or failure else "empty_answer"}
+        "exit_reason": session.exit_reason if answer.strip() or failure else "empty_answer",
+        "recovered_calls": session.recovered}
     if failure:
         outcome["error"] = failure
     session.emit("done", **outcome)
