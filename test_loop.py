@@ -302,6 +302,7 @@ def assert_valid(test, messages):
         test.assertIsInstance(m["content"], str)
         for call in m.get("tool_calls", []):
             test.assertEqual(call["type"], "function")
+            test.assertRegex(call["function"]["name"], r"^[a-zA-Z0-9_-]{1,64}$")
             test.assertIsInstance(json.loads(call["function"]["arguments"]), dict)
             test.assertNotIn(call["id"], ids, "a tool-call id used twice")
             ids.add(call["id"])
@@ -1124,6 +1125,21 @@ class NormaliseTest(unittest.TestCase):
         self.assertEqual(len(ids), len(set(ids)))
         self.assertEqual(ids[1], "same")
         self.assertTrue(all(len(i) == 9 and i.isalnum() for i in ids if i != "same"), ids)
+
+    def test_a_call_without_a_name_is_named_and_answered_with_an_error(self):
+        """A call whose name is missing, empty or not a string gets a placeholder name in the
+        transcript and an error result that says it named no tool."""
+        run = run_agent([calls({"function": {"arguments": "{}"}},
+                               tool_call("", path="src"), tool_call(None, path="a"),
+                               tool_call(5, path="b")),
+                         reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual([c["function"]["name"] for c in sent[2]["tool_calls"]],
+                         [agent.NAMELESS] * 4)
+        for result in sent[3:]:
+            self.assertTrue(result["content"].startswith(
+                "error: unknown_tool: the call named no tool; the tools are list_dir"), result)
+        assert_valid(self, run.session.messages)
 
     def test_tool_calls_with_finish_reason_stop_still_run(self):
         """finish_reason 'stop' beside tool calls: the calls still run."""
