@@ -3668,7 +3668,7 @@ def parse_args(argv):
                    "latest saved session of this workspace")
     p.add_argument("--resume", metavar="ID", help="go on with a saved session (see /sessions)")
     p.add_argument("--json", action="store_true", help="one-shot: print one JSON object: "
-                   "answer, rounds, tool_calls, usage, exit_reason")
+                   "answer, rounds, tool_calls, usage, exit_reason, recovered_calls")
     p.add_argument("--jsonl", action="store_true", help="one-shot: print each event as a JSON "
                    "line as it happens, the same object last")
     p.add_argument("--trace", metavar="FILE", help="add a JSON line per model call and tool "

@@ -3038,6 +3038,7 @@ class ScriptOutputTest(unittest.TestCase):
         self.assertEqual(code, 0)
         self.assertEqual((result["answer"], result["rounds"], result["exit_reason"]),
                          ("done", 2, "answer"))
+        self.assertEqual(result["recovered_calls"], 0)
         self.assertEqual([(c["name"], c["ok"]) for c in result["tool_calls"]],
                          [("list_dir", True), ("read_file", False)])
         self.assertEqual((result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]),
