@@ -1175,6 +1175,9 @@ def text_calls(content, tools) -> tuple:
 # Where a call may begin: a tag, or a fence, object or list at the start of a line.
 TEXT_CALL = re.compile(r"<tool_call>|<function=|\[TOOL_CALLS\]|<\|python_tag\|>|^```|^[{\[]",
                        re.M)
+# How a reply that is a call written as text begins: the screen holds such text back (23).
+CALL_OPENINGS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "```json\n",
+                 "```\n", "{", "[")
 # Words that make the text before a call an explanation of it, not an announcement.
 EXPLAINS = re.compile(r"example|e\.g\.|for instance|such as|like this|like so|as follows|format|"
                       r"syntax|\b(?:you (?:can|could|may)|would|could|should|might)\b|[`?]",
@@ -3709,6 +3712,8 @@ def env_flag(value) -> bool:
 # While the model works, the user sees a clock; then its words on stdout and its reasoning,
 # dimmed, on stderr, as they arrive. A <think> block at the start of the text (left there by
 # servers that do not parse reasoning out) is shown as reasoning, and kept out of the answer.
+# Text that opens as a tool call written as text (section 9) is held back to the end of the
+# reply, and shown then only if it was no call; one after a lead-in shows as it comes.
 
 # Styles for stderr: ANSI codes, used only when Config.color is set.
 DIM, BOLD, RED, GREEN, YELLOW, CYAN = "\033[2m", "\033[1m", "\033[31m", "\033[32m", \
@@ -3730,7 +3735,7 @@ class Screen:
         self.stop = threading.Event()
         self.ends = {}          # stream -> the last character written to it
         self.held = ""          # text not shown yet: it may be part of a <think> tag
-        self.mode = "start"     # start (nothing yet), thinking, after (</think>), text
+        self.mode = "start"     # start (nothing yet), thinking, after (</think>), text, call
 
     def wrap(self, transport):
         """transport, wrapped: a clock until the first word; open lines ended afterwards."""
@@ -3745,9 +3750,16 @@ class Screen:
                 return transport(body)
             finally:
                 self.quiet()
+                if self.mode == "call" and self.is_call(body):
+                    self.held = ""   # a tool call written as text: it runs, and is not shown
                 self.write("reasoning" if self.mode == "thinking" else "content", self.held)
                 self.end_lines()
         return wrapped
+
+    def is_call(self, body) -> bool:
+        """True if the text held back is tool calls written as text that normalise() will run."""
+        tools = [] if body.get("tool_choice") == "none" else body.get("tools") or []
+        return bool(text_calls(self.held, tools)[1])
 
     def tick(self):
         """Redraw the seconds waited, five times a second, until told to stop."""
@@ -3782,13 +3794,14 @@ class Screen:
         if kind != "content" or self.mode == "text":
             return self.write(kind, text)
         self.held += text
+        if self.mode == "call":   # all of it held, to be shown at the end if it is no call
+            return
         if self.mode == "start":
             head = self.held.lstrip()
             if "<think>".startswith(head):
                 return                                  # too soon to tell
             if not head.startswith("<think>"):
-                self.mode, text, self.held = "text", self.held, ""
-                return self.write("content", text)
+                return self.begin(self.held)
             self.mode, self.held = "thinking", head[len("<think>"):]
         if self.mode == "thinking":
             end = self.held.find("</think>")
@@ -3801,7 +3814,18 @@ class Screen:
             self.mode, self.held = "after", self.held[end + len("</think>"):]
         text, self.held = self.held.lstrip(), ""   # the blank lines after </think>: not text
         if text:
-            self.mode = "text"
+            self.begin(text)
+
+    def begin(self, text):
+        """The text of the reply begins: show it, unless it may be a tool call written as text
+        (section 9), which is held back to the end and shown only if it is not one."""
+        head, watch = text.lstrip(), self.session.cfg.text_tools
+        if watch and any(head.startswith(opening) for opening in CALL_OPENINGS):
+            self.mode, self.held = "call", text
+        elif watch and any(opening.startswith(head) for opening in CALL_OPENINGS):
+            self.held = text                            # too soon to tell
+        else:
+            self.mode, self.held = "text", ""
             self.write("content", text)
 
     def write(self, kind, text):

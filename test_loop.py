@@ -1327,6 +1327,17 @@ class TextCallTest(unittest.TestCase):
         self.assertEqual(run.answer, text)
         assert_valid(self, run.session.messages)
 
+    def test_a_streamed_text_call_is_not_shown_as_the_answer(self):
+        """A call written as text, streamed to a one-shot's stdout, is held back and run, not
+        shown; text that only began like a call is shown once the reply ends."""
+        for script, shown in (([reply("<think>hm</think>" + hermes("list_dir")), reply("done")],
+                               "done\n"),
+                              ([reply('{"files": 3}')], '{"files": 3}\n'),
+                              ([reply("```python\nprint(1)\n```")], "```python\nprint(1)\n```\n")):
+            with CannedServer(script) as server:
+                code, out, _ = cli(["q"], url=server.url)
+            self.assertEqual((code, out), (0, shown))
+
     def test_json_output_counts_recovered_calls(self):
         """--json says how many calls were recovered from text."""
         with CannedServer([reply(hermes("list_dir")), reply("done")]) as server:
