@@ -1064,9 +1064,6 @@ class Reply:
     reasoning: str = ""    # thinking text, shown dimmed and kept out of the transcript
 
 
-NAMELESS = "unnamed_call"   # the name a call that came without one is given in the transcript
-
-
 def normalise(session, data, tools=()) -> Reply:
     """The assistant message of a reply, reshaped so every server accepts it back. tools: those
     offered with the request, which a call the model wrote as text may be recovered for."""
@@ -1093,13 +1090,10 @@ def normalise(session, data, tools=()) -> Reply:
             continue
         fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
         args = fn.get("arguments", fn.get("parameters"))
-        name = fn.get("name")
-        # subtle: a call with no name must still have one, or strict servers refuse the
-        # transcript; the executor answers NAMELESS with an error that says it had none
-        name = name if isinstance(name, str) and name.strip() else NAMELESS
         arguments.append(args)
         calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function",
-                      "function": {"name": name, "arguments": json_arguments(args)}})
+                      "function": {"name": call_name(fn.get("name")),
+                                   "arguments": json_arguments(args)}})
     if not calls and tools and session.cfg.text_tools:   # calls left in the text (section 19)
         content, recovered = text_calls(content, tools)
         for name, args in recovered:
@@ -1136,6 +1130,16 @@ def json_arguments(arguments) -> str:
         return json.dumps(value) if isinstance(value, dict) else "{}"
     except (ValueError, RecursionError):   # broken, or nested deeper than Python will go
         return "{}"
+
+
+# subtle: a call with no name must still have one, or strict servers refuse the transcript
+# from then on; the executor answers NAMELESS with an error that says the call had none.
+NAMELESS = "unnamed_call"
+
+
+def call_name(name) -> str:
+    """A call's name as the transcript holds it: NAMELESS for none, an empty one, or not text."""
+    return name if isinstance(name, str) and name.strip() else NAMELESS
 
 
 def unique_call_id(session, given) -> str:
@@ -3482,7 +3486,7 @@ def repair(messages, system) -> list:
             listed = message.get("tool_calls")
             listed = listed if isinstance(listed, list) else []
             calls = [{"id": c["id"], "type": "function", "function": {
-                "name": str(c["function"].get("name") or ""),
+                "name": call_name(c["function"].get("name")),
                 "arguments": json_arguments(c["function"].get("arguments"))}}
                 for c in listed if isinstance(c, dict) and isinstance(c.get("id"), str) and
                 isinstance(c.get("function"), dict) and c["id"] not in ids]

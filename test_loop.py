@@ -2919,11 +2919,12 @@ class SessionFileTest(unittest.TestCase):
         assert_valid(self, sent)
 
     def test_repair_makes_any_saved_transcript_sendable(self):
-        """A transcript cut anywhere, or damaged, comes back valid: calls answered once."""
+        """A transcript cut anywhere, or damaged, comes back valid: calls answered once, and
+        named (an older version kept a call with no name)."""
         messy = [{"role": "system", "content": "old prompt" + agent.SUMMARY_HEADER + "sum"},
                  {"role": "user", "content": "q"},
                  {"role": "assistant", "content": None, "tool_calls": [
-                     {"id": "a", "type": "function", "function": {"name": "x", "arguments": "{"}},
+                     {"id": "a", "type": "function", "function": {"name": "", "arguments": "{"}},
                      {"id": "b", "type": "function",
                       "function": {"name": "y", "arguments": "{}"}}]},
                  {"role": "tool", "tool_call_id": "b", "content": "fine"},
@@ -2936,7 +2937,8 @@ class SessionFileTest(unittest.TestCase):
         self.assertEqual(fixed[0]["content"], "new prompt" + agent.SUMMARY_HEADER + "sum")
         self.assertEqual([m["role"] for m in fixed], ["system", "user", "assistant", "tool",
                                                       "tool", "assistant", "user", "assistant"])
-        self.assertEqual(fixed[2]["tool_calls"][0]["function"]["arguments"], "{}")
+        self.assertEqual(fixed[2]["tool_calls"][0]["function"], {"name": agent.NAMELESS,
+                                                                 "arguments": "{}"})
 
 
 class StateTrustTest(unittest.TestCase):
