@@ -1176,8 +1176,9 @@ class UsageError(Fatal):
 # the workspace and asks the user before a change; each result is appended; and the loop stops
 # at an answer, at MAX_TURNS, or at a call repeated over and over. What follows fills it in:
 # Part II the tools themselves, Part III what real servers do to the endpoint (errors, retries,
-# streams, a context that fills up), Part IV extensions that add tools and keep sessions without
-# changing the loop, and Part V the program around it: configuration, screen, terminal, main().
+# streams, a context that fills up, calls left in the text), Part IV extensions that add tools
+# and keep sessions without changing the loop, and Part V the program around it: configuration,
+# screen, terminal, main().
 
 
 # ==============================================================================================
