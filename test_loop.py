@@ -2557,6 +2557,7 @@ NOT_CALLS = [
 
 
 class TextCallTest(unittest.TestCase):
+    """Tool calls a model wrote as text: run when the text is the calls, never when it quotes."""
 
     def test_calls_written_as_text_are_recovered(self):
         """A reply whose text is tool calls, in any family's shape, runs them; the transcript
@@ -3294,6 +3295,7 @@ class FuzzTest(unittest.TestCase):
         rng = random.Random(20261129)
         junk = [None, "", "{", "[]", "null", 0, [], {}, {"path": 3}, '{"path": "hello.py"}',
                 '{"pattern": "(", "path": "src"}', '{"path": "../../etc/passwd"}', "\udcff"]
+        text_call = hermes("read_file", path="hello.py") + "\n" + hermes("list_dir")
 
         def random_call():
             call = {}
@@ -3318,7 +3320,8 @@ class FuzzTest(unittest.TestCase):
             message = {"role": rng.choice(["assistant", None, "user"])}
             if rng.random() < 0.7:
                 message["content"] = rng.choice([None, "", "answer", ["part"], {"x": 1}, 3,
-                                                 "<think>hm</think>ok", "\udcff"])
+                                                 "<think>hm</think>ok", "\udcff", text_call,
+                                                 text_call[:40], "[TOOL_CALLS]", "[{}]"])
             if rng.random() < 0.6:
                 message["tool_calls"] = rng.choice([
                     [random_call() for _ in range(rng.randint(0, 3))], {}, "calls", None])
