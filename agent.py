@@ -36,9 +36,9 @@ stop at its end and you have seen all of it. Parts II-V are how it survives real
 servers and real users. `grep -nE '^# (PART|[0-9])' agent.py` prints the contents:
     PART I    The agent                 1-9
     PART II   The tools in full         10-15
-    PART III  Surviving real servers    16-18
-    PART IV   Extensions                19-21
-    PART V    The program around it     22-26
+    PART III  Surviving real servers    16-19
+    PART IV   Extensions                20-22
+    PART V    The program around it     23-27
 
 Run it:
     python3 agent.py --demo                          a scripted model walks the loop, offline
@@ -46,7 +46,7 @@ Run it:
     git diff | python3 agent.py "review this"        stdin is added to the question
     python3 agent.py                                 an interactive session (on a terminal)
     python3 agent.py --tool search '{"pattern": "def main"}'    run one tool, no model
-LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 22 lists every setting.
+LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 23 lists every setting.
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
@@ -122,6 +122,7 @@ REPEAT_LIMIT = 2       # runs of one exact call in one reply: a 3rd is refused, 
 
 RESULT_CAP = 8_000     # characters of one tool result the model sees
 LINE_CAP = 500         # characters of one line that read_file shows
+LEAD_IN_CAP = 200      # characters of text before a tool call written as text; more explains it
 MATCH_CAP = 100        # matches that search shows (all are counted)
 PATH_CAP = 200         # entries that list_dir and find_files show
 BLOCK = 1 << 20        # bytes read at a time from a file; memory stays flat on huge files
@@ -206,7 +207,7 @@ FINAL_REQUEST = ("[agent] Stopped ({why}). Do not call tools. Answer the questio
 # ----------------------------------------------------------------------------------------------
 # 2. The session: what one conversation carries
 # ----------------------------------------------------------------------------------------------
-# Config is what the user set (section 22); a Session is one conversation: its transcript, the
+# Config is what the user set (section 23); a Session is one conversation: its transcript, the
 # tools it offers, what it has learned about the server, and how it talks to the user. It is a
 # record of the program's own; what travels to the server stays plain JSON, in its messages.
 
@@ -215,7 +216,7 @@ class Session:
     """One conversation: its transcript, and what it has learned and shown along the way.
     Each field is explained where it is used; here they are by kind."""
     cfg: Config
-    # the conversation (sections 3, 18, 21)
+    # the conversation (sections 3, 18, 22)
     messages: list = dataclasses.field(default_factory=list)  # the transcript
     system: str = ""                       # the system prompt, before any summary is added
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
@@ -224,13 +225,14 @@ class Session:
     path: str = ""                         # the file the transcript is saved in, as it grows
     saved: int = 0                         # messages written to it so far
     exit_reason: str = ""                  # how the last turn ended: answer, max_turns, ...
-    # the tools (sections 4, 7, 8, 19, 20)
+    # the tools (sections 4, 7, 8, 20, 21)
     tools: list = dataclasses.field(default_factory=list)    # the schemas offered, fixed
     handlers: dict = dataclasses.field(default_factory=dict)  # the session's own tools: MCP, task
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
     always: set = dataclasses.field(default_factory=set)     # tools the user always allows
     changes: int = 0                       # changes made so far: a call repeated after one
                                            # may see something new, so is not a repeat
+    recovered: int = 0                     # calls the model wrote as text, run (section 19)
     interrupted: bool = False              # Ctrl+C ended the turn: reads still running in
                                            # threads print nothing more
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
@@ -242,7 +244,7 @@ class Session:
     context_limit: int = 0                 # tokens the model can read; 0 = not known yet
     last_prompt: tuple = (0, 0)            # (prompt tokens the server counted, messages then)
     usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # totals
-    # the screen and the record (sections 23, 24)
+    # the screen and the record (sections 24, 25)
     show: Optional[Callable] = None        # show(kind, text) prints a reply as it streams in
     shown: set = dataclasses.field(default_factory=set)   # what of the last reply was shown
     indent: str = ""                       # before every line printed: a sub-agent's is deeper
@@ -377,7 +379,7 @@ def query(session, tool_choice=None) -> Reply:
         sent = len(session.messages)
         data = session.transport(body)   # the same body: its messages are the session's,
                                          # which compact() has just shortened in place
-    reply = normalise(session, data)
+    reply = normalise(session, data, [] if tool_choice == "none" else session.tools)
     count_usage(session, data, sent, time.monotonic() - start)
     if reply.reasoning and "reasoning" not in session.shown:   # streamed: shown already
         session.say(printable(reply.reasoning), DIM)
@@ -577,8 +579,8 @@ def execute(cfg, name, arguments, tools=TOOLS, approve=None, handlers=None) -> s
     """
     schemas = {t["function"]["name"]: t["function"] for t in tools}
     if name not in schemas:
-        return (f"error: unknown_tool: there is no tool {name!r}; the tools are "
-                f"{', '.join(schemas)}")
+        what = "the call named no tool" if name == NAMELESS else f"there is no tool {name!r}"
+        return f"error: unknown_tool: {what}; the tools are {', '.join(schemas)}"
     args = {}
     try:
         args = parse_arguments(arguments)
@@ -1111,11 +1113,13 @@ def connect(cfg, method, path, body=None, timeout=None):
 
 # The reply's first choice holds an assistant message with text, tool calls, or both, and
 # servers disagree about its shape: arguments as text, an object or nothing; ids missing or
-# reused; reasoning in one field or another, or in the text. normalise() reshapes every reply
-# into the one form that every server accepts back, before it enters the transcript.
+# reused, names missing; reasoning in one field or another, or in the text; a call left in the
+# text, unparsed (section 19). normalise() reshapes every reply into the one form that every
+# server accepts back, before it enters the transcript.
 
-def normalise(session, data) -> Reply:
-    """The assistant message of a reply, reshaped so every server accepts it back."""
+def normalise(session, data, tools=()) -> Reply:
+    """The assistant message of a reply, reshaped so every server accepts it back. tools: those
+    offered with the request, which a call the model wrote as text may be recovered for."""
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise Fatal(f"the model's reply has no choices: "
@@ -1124,7 +1128,7 @@ def normalise(session, data) -> Reply:
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))
     reasoning = text_of(message.get("reasoning") or message.get("reasoning_content"))
-    # thinking some servers leave in the text (Screen.show, section 23, splits it alike)
+    # thinking some servers leave in the text (Screen.show, section 24, splits it alike)
     think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
@@ -1144,7 +1148,17 @@ def normalise(session, data) -> Reply:
         text = redact(session.cfg, json_arguments(args))
         arguments.append(args if text == json_arguments(args) else text)
         calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function",
-                      "function": {"name": str(fn.get("name") or ""), "arguments": text}})
+                      "function": {"name": call_name(fn.get("name")), "arguments": text}})
+    if not calls and tools and session.cfg.text_tools:   # calls left in the text (section 19)
+        content, recovered = text_calls(content, tools)
+        for name, args in recovered:
+            arguments.append(args)
+            calls.append({"id": unique_call_id(session, None), "type": "function",
+                          "function": {"name": name, "arguments": json_arguments(args)}})
+        if recovered:
+            session.recovered += len(recovered)
+            session.say("  (recovered a tool call written as text)" if len(recovered) == 1
+                        else f"  (recovered {len(recovered)} tool calls written as text)", YELLOW)
     reply = {"role": "assistant", "content": content}
     if calls:   # subtle: an empty tool_calls list is rejected by strict servers
         reply["tool_calls"] = calls
@@ -1173,6 +1187,16 @@ def json_arguments(arguments) -> str:
         return "{}"
 
 
+# subtle: a call with no name must still have one, or strict servers refuse the transcript
+# from then on; the executor answers NAMELESS with an error that says the call had none.
+NAMELESS = "unnamed_call"
+
+
+def call_name(name) -> str:
+    """A call's name as the transcript holds it: NAMELESS for none, an empty one, or not text."""
+    return name if isinstance(name, str) and name.strip() else NAMELESS
+
+
 def unique_call_id(session, given) -> str:
     """A tool-call id unique in this conversation: the server's if it is fresh, else a new one."""
     if isinstance(given, str) and given and given not in session.call_ids:
@@ -1192,8 +1216,9 @@ def unique_call_id(session, given) -> str:
 # the workspace and asks the user before a change; each result is appended; and the loop stops
 # at an answer, at MAX_TURNS, or at a call repeated over and over. What follows fills it in:
 # Part II the tools themselves, Part III what real servers do to the endpoint (errors, retries,
-# streams, a context that fills up), Part IV extensions that add tools and keep sessions without
-# changing the loop, and Part V the program around it: configuration, screen, terminal, main().
+# streams, a context that fills up, calls left in the text), Part IV extensions that add tools
+# and keep sessions without changing the loop, and Part V the program around it: configuration,
+# screen, terminal, main().
 
 
 # ==============================================================================================
@@ -2455,8 +2480,8 @@ TOOL_FUNCTIONS = {"list_dir": list_dir, "read_file": read_file, "search": search
 # PART III — SURVIVING REAL SERVERS
 # ==============================================================================================
 # Part I sent one POST and read one reply. Real servers fail in a dozen shapes, stream their
-# replies in fragments, and can read only so much: here is what the endpoint does about each,
-# without the loop knowing.
+# replies in fragments, can read only so much, and miss tool calls that small models write as
+# text: here is what the endpoint does about each, without the loop knowing.
 
 # ----------------------------------------------------------------------------------------------
 # 16. Server errors: what may pass, and what to say about the rest
@@ -3009,6 +3034,183 @@ def unpoint(kept, dropped):
                     m["content"] = result
 
 
+# ----------------------------------------------------------------------------------------------
+# 19. What small local models write: tool calls as text
+# ----------------------------------------------------------------------------------------------
+# A server whose parser misses a tool call (a chat template without tools, Ollama, a model that
+# strays from its format) hands the call over as plain text, and the loop would take it for
+# the answer. So a reply with no tool calls has its text read once more for the shapes that
+# small local models write. Only when the text *is* the call is it run: after at most a short
+# lead-in, with nothing after it, naming a tool offered with this request, with arguments
+# that pass the executor's own checks. A call the text quotes or explains stays text.
+
+def text_calls(content, tools) -> tuple:
+    """(the text before them, [(name, arguments)]) when content is tool calls written as text;
+    else (content, []): it is the answer."""
+    start = TEXT_CALL.search(content)
+    if not start or not lead_in(content[:start.start()]):
+        return content, []
+    body = re.sub(r"(?:<\|eot_id\|>|<\|eom_id\|>|<\|im_end\|>|</s>)\s*\Z", "",
+                  content[start.start():].strip())   # an end token the server left in
+    schemas = {t["function"]["name"]: t["function"] for t in tools}
+    found = read_text_calls(body, schemas) or []
+    if not found or not all(text_call_ok(schemas, name, args) for name, args in found):
+        return content, []   # when in doubt, it is the answer
+    return content[:start.start()].strip(), found
+
+
+# Where a call may begin: a tag, or a fence, object or list at the start of a line.
+TEXT_CALL = re.compile(r"<tool_call>|<function=|\[TOOL_CALLS\]|<\|python_tag\|>|^```|^[{\[]",
+                       re.M)
+# How a reply that is a call written as text begins: the screen holds such text back (24).
+CALL_OPENINGS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "```json\n",
+                 "```\n", "{", "[")
+# Words that make the text before a call an explanation of it, not an announcement.
+EXPLAINS = re.compile(r"example|e\.g\.|for instance|such as|like this|like so|as follows|format|"
+                      r"syntax|\b(?:you (?:can|could|may)|would|could|should|might)\b|[`?]",
+                      re.I)
+# How a lead-in that ends in a colon begins when it announces the model's own next step.
+ANNOUNCES = re.compile(r"(?:(?:now|first|next|then|ok|okay|sure)\b[,.!]?\s*)?(?:i\b|let me\b|"
+                       r"let's\b)", re.I)
+
+
+def lead_in(text) -> bool:
+    """Text before a call that may stay as its content: short, one paragraph, not explaining
+    it; if it ends in a colon, it says what the model itself will do ("Let me look:")."""
+    text = text.strip()
+    return (len(text) <= LEAD_IN_CAP and "\n\n" not in text and not EXPLAINS.search(text) and
+            (not text.endswith(":") or bool(ANNOUNCES.match(text))))
+
+
+def read_text_calls(body, schemas) -> Optional[list]:
+    """The calls body is made of, [(name, arguments)]; None if it holds anything else."""
+    if body.startswith("<tool_call>"):   # Hermes, Qwen: a block per call; the last may be open
+        blocks, calls = body.split("<tool_call>")[1:], []
+        for i, block in enumerate(blocks):
+            inner, closed, after = block.partition("</tool_call>")
+            inner = inner.strip()
+            if after.strip() or not (closed or i == len(blocks) - 1):
+                return None
+            found = xml_calls(inner, schemas) if inner.startswith("<function=") \
+                else json_calls(inner)
+            if not found:
+                return None
+            calls += found
+        return calls
+    if body.startswith("<function="):    # Qwen3-Coder's XML, without <tool_call> around it
+        return xml_calls(body, schemas)
+    if body.startswith("[TOOL_CALLS]"):  # Mistral: a JSON list, or NAME[ARGS]{...} per call
+        return mistral_calls(body[len("[TOOL_CALLS]"):])
+    if body.startswith("<|python_tag|>"):   # Llama 3.x: JSON after the tag, ';' between calls
+        return json_calls(body[len("<|python_tag|>"):])
+    if body.startswith("```"):           # alone in a fence, marked json or not marked at all
+        fence = re.fullmatch(r"```(?:json)?[ \t]*\n(.*)\n```", body, re.S)
+        return json_calls(fence.group(1)) if fence else None
+    return json_calls(body)              # bare JSON: an object, or a list of objects
+
+
+def json_calls(text) -> Optional[list]:
+    """Calls written as JSON: an object, a list of objects, or objects one after another."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        try:
+            value, i = decoder.raw_decode(text, BETWEEN_CALLS.match(text, i).end())
+        except (ValueError, RecursionError):
+            return None
+        for item in value if isinstance(value, list) else [value]:
+            call = json_call(item)
+            if call is None:
+                return None
+            calls.append(call)
+        i = BETWEEN_CALLS.match(text, i).end()
+    return calls or None
+
+
+BETWEEN_CALLS = re.compile(r"[\s;]*")   # what may part calls written as JSON (Llama uses ';')
+
+
+def json_call(item) -> Optional[tuple]:
+    """(name, arguments) of one call written as a JSON object; None if it is not one."""
+    if isinstance(item, dict) and set(item) <= {"id", "type", "function"} and \
+            isinstance(item.get("function"), dict):
+        item = item["function"]          # the API's own shape, written out
+    if not isinstance(item, dict) or "name" not in item or \
+            not set(item) <= {"id", "type", "name", "arguments", "parameters"} or \
+            item.get("type", "function") != "function":
+        return None
+    arguments = item.get("arguments", item.get("parameters"))
+    if isinstance(arguments, str):       # arguments as JSON text, as the API sends them
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    return (item["name"], arguments) if isinstance(arguments, dict) else None
+
+
+XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.S)
+
+
+def xml_calls(text, schemas) -> Optional[list]:
+    """Calls in Qwen3-Coder's XML, <function=NAME><parameter=P>value</parameter></function>,
+    each value read as the type the tool's schema gives it, as Qwen's own parser does."""
+    calls, i = [], 0
+    while i < len(text):
+        function = XML_FUNCTION.match(text, i)
+        if not function:
+            return None
+        name, inner, arguments, j = function.group(1).strip(), function.group(2), {}, 0
+        properties = schemas.get(name, {}).get("parameters", {}).get("properties", {})
+        while j < len(inner):
+            parameter = XML_PARAMETER.match(inner, j)
+            if not parameter:
+                return None
+            key, value = parameter.group(1).strip(), parameter.group(2)
+            value = value[1:] if value.startswith("\n") else value   # the template's newlines
+            value = value[:-1] if value.endswith("\n") else value
+            if properties.get(key, {}).get("type", "string") != "string":
+                try:
+                    value = json.loads(value)   # 5, true, [1, 2]: a number, not the text "5"
+                except (ValueError, RecursionError):
+                    pass                   # left as text; the check then refuses it
+            arguments[key], j = value, parameter.end()
+        calls.append((name, arguments))
+        i = function.end()
+    return calls or None
+
+
+def mistral_calls(text) -> Optional[list]:
+    """Calls after Mistral's [TOOL_CALLS]: a JSON list, or NAME[ARGS]{...} after each tag."""
+    calls = []
+    for part in text.split("[TOOL_CALLS]"):
+        named = re.match(r"\s*([\w.-]+)(?:\[CALL_ID\]\w+)?\[ARGS\]", part)
+        try:
+            found = [(named.group(1), json.loads(part[named.end():]))] if named \
+                else json_calls(part.strip())
+        except (ValueError, RecursionError):
+            return None
+        if not found or not isinstance(found[-1][1], dict):
+            return None
+        calls += found
+    return calls
+
+
+def text_call_ok(schemas, name, arguments) -> bool:
+    """True if a call written as text names a tool offered with the request, with arguments
+    that pass the checks a real call's would: the schema's, or (MCP, task) its required keys."""
+    schema = schemas.get(name) if isinstance(name, str) else None
+    if schema is None or not isinstance(arguments, dict):
+        return False
+    parameters = schema.get("parameters") or {}
+    if name not in TOOL_FUNCTIONS:       # a session's own tool checks its own arguments
+        return all(key in arguments for key in parameters.get("required", []))
+    try:
+        check_arguments(schema, arguments)
+        return True
+    except ToolError:
+        return False
+
+
 # ==============================================================================================
 # PART IV — EXTENSIONS
 # ==============================================================================================
@@ -3017,7 +3219,7 @@ def unpoint(kept, dropped):
 # sessions write each message as append() adds it. run_turn() is the same with or without them.
 
 # ----------------------------------------------------------------------------------------------
-# 19. MCP: tools from other programs
+# 20. MCP: tools from other programs
 # ----------------------------------------------------------------------------------------------
 # The Model Context Protocol lets any program offer tools. An MCP server here is a child
 # process spoken to over its stdin and stdout in JSON-RPC 2.0, one message per line: the
@@ -3371,7 +3573,7 @@ def expand(value, env):
 
 
 # ----------------------------------------------------------------------------------------------
-# 20. Sub-agents: a fresh loop for one task
+# 21. Sub-agents: a fresh loop for one task
 # ----------------------------------------------------------------------------------------------
 # A long search fills the conversation with tool results the main task will never need again.
 # The task tool hands such a piece of work to a helper: the same loop, a transcript of its own,
@@ -3422,7 +3624,7 @@ def run_task(session, description, prompt) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 21. Sessions that survive
+# 22. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
 # under the user's state directory, grouped by workspace. A crash loses at most the message
@@ -3548,7 +3750,7 @@ def repair(messages, system) -> list:
             listed = message.get("tool_calls")
             listed = listed if isinstance(listed, list) else []
             calls = [{"id": c["id"], "type": "function", "function": {
-                "name": str(c["function"].get("name") or ""),
+                "name": call_name(c["function"].get("name")),
                 "arguments": json_arguments(c["function"].get("arguments"))}}
                 for c in listed if isinstance(c, dict) and isinstance(c.get("id"), str) and
                 isinstance(c.get("function"), dict) and c["id"] not in ids]
@@ -3569,7 +3771,7 @@ def repair(messages, system) -> list:
 # line and an exit code.
 
 # ----------------------------------------------------------------------------------------------
-# 22. Configuration: flags, then the environment, then the defaults
+# 23. Configuration: flags, then the environment, then the defaults
 # ----------------------------------------------------------------------------------------------
 # Environment (a flag wins over its variable; the README has the same table):
 #     LLM_URL         OpenAI-compatible base URL         default http://127.0.0.1:8080/v1
@@ -3582,6 +3784,7 @@ def repair(messages, system) -> list:
 #     AGENT_CONTEXT   context budget in tokens           default: the server's, else 32768
 #     AGENT_YES       1: allow every change unasked      default 0
 #     AGENT_READ_ONLY 1: offer no tool that changes      default 0
+#     AGENT_TEXT_TOOLS 0: run no calls written as text   default 1
 #     MAX_TURNS       tool rounds per question           default 20
 #     NO_COLOR        set to anything: no colour
 #     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
@@ -3617,6 +3820,7 @@ class Config:
     resume: Optional[str] = None   # a saved session to go on with ("" = this root's latest)
     output: str = "text"    # one-shot stdout: "text", "json" (one object), "jsonl" (events)
     trace: str = ""         # a file to add a JSON line to for every model and tool call
+    text_tools: bool = True  # run tool calls a model wrote as text (AGENT_TEXT_TOOLS=0: don't)
 
 
 def load_config(argv=None, environ=None) -> Config:
@@ -3670,6 +3874,7 @@ def load_config(argv=None, environ=None) -> Config:
         shell=shutil.which("bash", path=env.get("PATH")) or "/bin/sh",
         ripgrep=shutil.which("rg", path=env.get("PATH")) or "",
         stream=not args.no_stream and env_flag(env.get("LLM_STREAM", "1")),
+        text_tools=env_flag(env.get("AGENT_TEXT_TOOLS", "1")),
         verbose=args.verbose,
         shell_env=shell_env,
     )
@@ -3742,7 +3947,7 @@ def parse_args(argv):
                    "latest saved session of this workspace")
     p.add_argument("--resume", metavar="ID", help="go on with a saved session (see /sessions)")
     p.add_argument("--json", action="store_true", help="one-shot: print one JSON object: "
-                   "answer, rounds, tool_calls, usage, exit_reason")
+                   "answer, rounds, tool_calls, usage, exit_reason, recovered_calls")
     p.add_argument("--jsonl", action="store_true", help="one-shot: print each event as a JSON "
                    "line as it happens, the same object last")
     p.add_argument("--trace", metavar="FILE", help="add a JSON line per model call and tool "
@@ -3778,11 +3983,13 @@ def env_flag(value) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# 23. The screen: a reply as it streams in
+# 24. The screen: a reply as it streams in
 # ----------------------------------------------------------------------------------------------
 # While the model works, the user sees a clock; then its words on stdout and its reasoning,
 # dimmed, on stderr, as they arrive. A <think> block at the start of the text (left there by
 # servers that do not parse reasoning out) is shown as reasoning, and kept out of the answer.
+# Text that opens as a tool call written as text (section 19) is held back to the end of the
+# reply, and shown then only if it was no call; one after a lead-in shows as it comes.
 
 # Styles for stderr: ANSI codes, used only when Config.color is set.
 DIM, BOLD, RED, GREEN, YELLOW, CYAN = "\033[2m", "\033[1m", "\033[31m", "\033[32m", \
@@ -3804,7 +4011,7 @@ class Screen:
         self.stop = threading.Event()
         self.ends = {}          # stream -> the last character written to it
         self.held = ""          # text not shown yet: it may be part of a <think> tag
-        self.mode = "start"     # start (nothing yet), thinking, after (</think>), text
+        self.mode = "start"     # start (nothing yet), thinking, after (</think>), text, call
 
     def wrap(self, transport):
         """transport, wrapped: a clock until the first word; open lines ended afterwards."""
@@ -3819,9 +4026,16 @@ class Screen:
                 return transport(body)
             finally:
                 self.quiet()
+                if self.mode == "call" and self.is_call(body):
+                    self.held = ""   # a tool call written as text: it runs, and is not shown
                 self.write("reasoning" if self.mode == "thinking" else "content", self.held)
                 self.end_lines()
         return wrapped
+
+    def is_call(self, body) -> bool:
+        """True if the text held back is tool calls written as text that normalise() will run."""
+        tools = [] if body.get("tool_choice") == "none" else body.get("tools") or []
+        return bool(text_calls(self.held, tools)[1])
 
     def tick(self):
         """Redraw the seconds waited, five times a second, until told to stop."""
@@ -3856,13 +4070,14 @@ class Screen:
         if kind != "content" or self.mode == "text":
             return self.write(kind, text)
         self.held += text
+        if self.mode == "call":   # all of it held, to be shown at the end if it is no call
+            return
         if self.mode == "start":
             head = self.held.lstrip()
             if "<think>".startswith(head):
                 return                                  # too soon to tell
             if not head.startswith("<think>"):
-                self.mode, text, self.held = "text", self.held, ""
-                return self.write("content", text)
+                return self.begin(self.held)
             self.mode, self.held = "thinking", head[len("<think>"):]
         if self.mode == "thinking":
             end = self.held.find("</think>")
@@ -3875,7 +4090,18 @@ class Screen:
             self.mode, self.held = "after", self.held[end + len("</think>"):]
         text, self.held = self.held.lstrip(), ""   # the blank lines after </think>: not text
         if text:
-            self.mode = "text"
+            self.begin(text)
+
+    def begin(self, text):
+        """The text of the reply begins: show it, unless it may be a tool call written as text
+        (section 19), which is held back to the end and shown only if it is not one."""
+        head, watch = text.lstrip(), self.session.cfg.text_tools
+        if watch and any(head.startswith(opening) for opening in CALL_OPENINGS):
+            self.mode, self.held = "call", text
+        elif watch and any(opening.startswith(head) for opening in CALL_OPENINGS):
+            self.held = text                            # too soon to tell
+        else:
+            self.mode, self.held = "text", ""
             self.write("content", text)
 
     def write(self, kind, text):
@@ -3895,7 +4121,7 @@ class Screen:
 
 
 # ----------------------------------------------------------------------------------------------
-# 24. The terminal: one question, or a session
+# 25. The terminal: one question, or a session
 # ----------------------------------------------------------------------------------------------
 # One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
 # A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
@@ -3918,7 +4144,8 @@ def one_shot(session, question) -> int:
         {k: c[k] for k in ("name", "arguments", "ok", "seconds")} for c in calls],
         "usage": {"prompt_tokens": used["prompt"], "cached_tokens": used["cached"],
                   "completion_tokens": used["generated"], "seconds": round(used["seconds"], 3)},
-        "exit_reason": session.exit_reason if answer.strip() or failure else "empty_answer"}
+        "exit_reason": session.exit_reason if answer.strip() or failure else "empty_answer",
+        "recovered_calls": session.recovered}
     if failure:
         outcome["error"] = failure
     session.emit("done", **outcome)
@@ -4057,7 +4284,7 @@ def slash_command(session, line):
 
 
 # ----------------------------------------------------------------------------------------------
-# 25. The demo: a scripted model
+# 26. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -4129,7 +4356,7 @@ def demo_model(root):
 
 
 # ----------------------------------------------------------------------------------------------
-# 26. main()
+# 27. main()
 # ----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:

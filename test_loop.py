@@ -302,6 +302,7 @@ def assert_valid(test, messages):
         test.assertIsInstance(m["content"], str)
         for call in m.get("tool_calls", []):
             test.assertEqual(call["type"], "function")
+            test.assertRegex(call["function"]["name"], r"^[a-zA-Z0-9_-]{1,64}$")
             test.assertIsInstance(json.loads(call["function"]["arguments"]), dict)
             test.assertNotIn(call["id"], ids, "a tool-call id used twice")
             ids.add(call["id"])
@@ -1163,6 +1164,21 @@ class NormaliseTest(unittest.TestCase):
         self.assertEqual(len(ids), len(set(ids)))
         self.assertEqual(ids[1], "same")
         self.assertTrue(all(len(i) == 9 and i.isalnum() for i in ids if i != "same"), ids)
+
+    def test_a_call_without_a_name_is_named_and_answered_with_an_error(self):
+        """A call whose name is missing, empty or not a string gets a placeholder name in the
+        transcript and an error result that says it named no tool."""
+        run = run_agent([calls({"function": {"arguments": "{}"}},
+                               tool_call("", path="src"), tool_call(None, path="a"),
+                               tool_call(5, path="b")),
+                         reply("done")])
+        sent = run.bodies[1]["messages"]
+        self.assertEqual([c["function"]["name"] for c in sent[2]["tool_calls"]],
+                         [agent.NAMELESS] * 4)
+        for result in sent[3:]:
+            self.assertTrue(result["content"].startswith(
+                "error: unknown_tool: the call named no tool; the tools are list_dir"), result)
+        assert_valid(self, run.session.messages)
 
     def test_tool_calls_with_finish_reason_stop_still_run(self):
         """finish_reason 'stop' beside tool calls: the calls still run."""
@@ -2133,7 +2149,7 @@ class InterruptTest(unittest.TestCase):
 # ==============================================================================================
 # PART III — SURVIVING REAL SERVERS
 # ==============================================================================================
-# Servers that fail, stream, lie, redirect, and run out of context.
+# Servers that fail, stream, lie, redirect, run out of context, and miss calls written as text.
 
 # ----------------------------------------------------------------------------------------------
 # 16. Server errors
@@ -2683,13 +2699,156 @@ class ContextTest(unittest.TestCase):
         self.assertEqual(run.stderr.count("the same as before"), 4)
 
 
+# ----------------------------------------------------------------------------------------------
+# 19. What small local models write
+# ----------------------------------------------------------------------------------------------
+
+def hermes(tool, **arguments):
+    """A call as Hermes, Qwen2.5 and Qwen3 write it between their tags."""
+    return "<tool_call>\n%s\n</tool_call>" % json.dumps({"name": tool, "arguments": arguments})
+
+
+# Replies whose text is the call(s), as each family writes them when the server's parser misses
+# them: (text, the calls it is, the content left beside them).
+TEXT_CALLS = [
+    (hermes("read_file", path="hello.py"),                          # Hermes, Qwen2.5, Qwen3
+     [("read_file", {"path": "hello.py"})], ""),
+    ('<tool_call>\n{"name": "read_file", "arguments": {"path": "hello.py"}}',   # Qwen2.5, open
+     [("read_file", {"path": "hello.py"})], ""),
+    ("<tool_call>\n<function=read_file>\n<parameter=path>\nhello.py\n</parameter>\n"
+     "<parameter=limit>\n2\n</parameter>\n</function>\n</tool_call>",  # Qwen3-Coder on Ollama
+     [("read_file", {"path": "hello.py", "limit": 2})], ""),
+    ("<function=run_shell>\n<parameter=command>\nls -a\n</parameter>\n</function>",  # no tags
+     [("run_shell", {"command": "ls -a"})], ""),
+    ('{"name": "search", "arguments": {"pattern": "def greet"}}',   # qwen2.5-coder, gemma
+     [("search", {"pattern": "def greet"})], ""),
+    ('{"name": "read_file", "arguments": "{\\"path\\": \\"hello.py\\"}"}',   # arguments as text
+     [("read_file", {"path": "hello.py"})], ""),
+    ('{"type": "function", "name": "find_files", "parameters": {"pattern": "*.py"}}',  # Llama
+     [("find_files", {"pattern": "*.py"})], ""),
+    ('<|python_tag|>{"name": "list_dir", "parameters": {"path": "src"}}<|eom_id|>',  # Llama 3.1
+     [("list_dir", {"path": "src"})], ""),
+    ('[TOOL_CALLS] [{"name": "read_file", "arguments": {"path": "hello.py"}}]',   # Mistral
+     [("read_file", {"path": "hello.py"})], ""),
+    ('[TOOL_CALLS]read_file[ARGS]{"path": "hello.py"}',            # Mistral, newer templates
+     [("read_file", {"path": "hello.py"})], ""),
+    ('```json\n{"name": "list_dir", "arguments": {"path": "src"}}\n```',   # alone in a fence
+     [("list_dir", {"path": "src"})], ""),
+    ("<think>I need the file.</think>\n" + hermes("read_file", path="hello.py"),  # thinking
+     [("read_file", {"path": "hello.py"})], ""),
+    ("Let me look at the file.\n" + hermes("read_file", path="hello.py"),   # a lead-in
+     [("read_file", {"path": "hello.py"})], "Let me look at the file."),
+    ("I'll check both:\n" + hermes("list_dir", path="src") + "\n" +     # several calls
+     hermes("read_file", path="hello.py"),
+     [("list_dir", {"path": "src"}), ("read_file", {"path": "hello.py"})], "I'll check both:"),
+    ('[{"name": "list_dir", "arguments": {}}, {"name": "search", "arguments": {"pattern": "x"}}]',
+     [("list_dir", {}), ("search", {"pattern": "x"})], ""),
+]
+
+# Replies that quote, explain or only look like a call: each is the answer, and nothing runs.
+NOT_CALLS = [
+    "You could call read_file like this:\n" + hermes("read_file", path="hello.py"),
+    "For example:\n```json\n" + json.dumps({"name": "read_file",
+                                            "arguments": {"path": "hello.py"}}) + "\n```",
+    "Here is the call:\n" + hermes("read_file", path="hello.py"),      # a colon, not "I", "let"
+    "```python\n" + json.dumps({"name": "read_file", "arguments": {"path": "hello.py"}}) +
+    "\n```",                                                             # another language
+    hermes("read_file", path="hello.py") + "\nThis shows the file's first lines.",  # text after
+    "Qwen writes " + hermes("list_dir") + " when it calls a tool.",     # inside a sentence
+    "The file defines greet.\n\nTo see more of it:\n" + hermes("read_file", path="hello.py"),
+    "x" * 300 + "\n" + hermes("read_file", path="hello.py"),           # a long lead-in
+    hermes("delete_everything", path="."),                              # a tool not offered
+    hermes("load_skill", name="x"),                                     # offered only with skills
+    hermes("read_file", file="hello.py"),                               # a parameter it lacks
+    hermes("read_file"),                                                # one missing
+    hermes("read_file", path="hello.py", limit="2"),                    # one mistyped
+    '{"name": "list_dir", "description": "List one directory"}',        # a schema, not a call
+    '{"name": "hello.py", "size": 77}',                                 # data
+    '[{"name": "list_dir", "arguments": {}}, {"name": "nope", "arguments": {}}]',  # one bad
+    '<tool_call>\n{"name": "read_file", "arguments": {"path": ',        # cut off
+    '[TOOL_CALLS]read_file[ARGS]{"path": "hello.py"} and then I answer',
+    "<function=read_file>\n<parameter=path>\nhello.py\n</parameter>\n</function>\nDone.",
+]
+
+
+class TextCallTest(unittest.TestCase):
+    """Tool calls a model wrote as text: run when the text is the calls, never when it quotes."""
+
+    def test_calls_written_as_text_are_recovered(self):
+        """A reply whose text is tool calls, in any family's shape, runs them; the transcript
+        holds them as real tool_calls, the text around them as content."""
+        for text, expected, content in TEXT_CALLS:
+            with self.subTest(text=text):
+                run = run_agent([reply(text), reply("done")], "q", "--yes")
+                self.assertEqual(run.answer, "done")
+                sent = run.bodies[1]["messages"]
+                self.assertEqual(sent[2]["content"], content)
+                self.assertEqual([(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                  for c in sent[2]["tool_calls"]], expected)
+                self.assertEqual(set(sent[2]), {"role", "content", "tool_calls"})
+                self.assertEqual([m["role"] for m in sent[3:]], ["tool"] * len(expected))
+                self.assertFalse(any(m["content"].startswith("error:") for m in sent[3:]),
+                                 sent[3:])
+                self.assertIn("(recovered %s written as text)" % (
+                    "a tool call" if len(expected) == 1 else "%d tool calls" % len(expected)),
+                    run.stderr)
+                self.assertEqual(run.session.recovered, len(expected))
+                assert_valid(self, run.session.messages)
+
+    def test_calls_only_quoted_or_discussed_are_not_run(self):
+        """A reply that quotes, explains or only resembles a call is the answer: nothing runs."""
+        for text in NOT_CALLS:
+            with self.subTest(text=text):
+                run = run_agent([reply(text)], "q", "--yes")
+                self.assertEqual((run.answer, len(run.bodies)), (text, 1))
+                self.assertNotIn("⚙", run.stderr)
+                self.assertNotIn("recovered", run.stderr)
+
+    def test_a_recovered_change_still_asks_first(self):
+        """A change written as text goes through approval like any call: no terminal, no change."""
+        run = run_agent([reply(hermes("write_file", path="new.txt", content="x")), reply("ok")])
+        self.assertTrue(run.bodies[1]["messages"][-1]["content"].startswith("error: denied:"))
+        self.assertFalse(os.path.exists(os.path.join(WORK, "new.txt")))
+
+    def test_text_calls_can_be_turned_off(self):
+        """AGENT_TEXT_TOOLS=0: a call written as text is the answer, as the model wrote it."""
+        text = hermes("read_file", path="hello.py")
+        run = run_agent([reply(text)], "q", AGENT_TEXT_TOOLS="0")
+        self.assertEqual((run.answer, len(run.bodies)), (text, 1))
+
+    def test_no_text_call_runs_when_tools_are_forbidden(self):
+        """The final request forbids tools: a call written as text in its reply is the answer."""
+        text = hermes("list_dir", path="src")
+        run = run_agent([calls(tool_call("list_dir")), reply(text)], "q", "--max-turns", "1")
+        self.assertEqual(run.answer, text)
+        assert_valid(self, run.session.messages)
+
+    def test_a_streamed_text_call_is_not_shown_as_the_answer(self):
+        """A call written as text, streamed to a one-shot's stdout, is held back and run, not
+        shown; text that only began like a call is shown once the reply ends."""
+        for script, shown in (([reply("<think>hm</think>" + hermes("list_dir")), reply("done")],
+                               "done\n"),
+                              ([reply('{"files": 3}')], '{"files": 3}\n'),
+                              ([reply("```python\nprint(1)\n```")], "```python\nprint(1)\n```\n")):
+            with CannedServer(script) as server:
+                code, out, _ = cli(["q"], url=server.url)
+            self.assertEqual((code, out), (0, shown))
+
+    def test_json_output_counts_recovered_calls(self):
+        """--json says how many calls were recovered from text."""
+        with CannedServer([reply(hermes("list_dir")), reply("done")]) as server:
+            code, out, err = cli(["--json", "q"], url=server.url)
+        self.assertEqual((code, json.loads(out)["recovered_calls"]), (0, 1))
+        self.assertIn("(recovered a tool call written as text)", err)
+
+
 # ==============================================================================================
 # PART IV — EXTENSIONS
 # ==============================================================================================
 # MCP servers, sub-agents and saved sessions: the loop is the same with each.
 
 # ----------------------------------------------------------------------------------------------
-# 19. MCP
+# 20. MCP
 # ----------------------------------------------------------------------------------------------
 
 # A small MCP server, standard library only, for the tests: it speaks JSON-RPC on stdin and
@@ -2909,7 +3068,7 @@ class McpTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 20. Sub-agents
+# 21. Sub-agents
 # ----------------------------------------------------------------------------------------------
 
 class SubAgentTest(unittest.TestCase):
@@ -2938,7 +3097,7 @@ class SubAgentTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 21. Sessions that survive
+# 22. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 
 class SessionFileTest(unittest.TestCase):
@@ -2976,11 +3135,12 @@ class SessionFileTest(unittest.TestCase):
         assert_valid(self, sent)
 
     def test_repair_makes_any_saved_transcript_sendable(self):
-        """A transcript cut anywhere, or damaged, comes back valid: calls answered once."""
+        """A transcript cut anywhere, or damaged, comes back valid: calls answered once, and
+        named (an older version kept a call with no name)."""
         messy = [{"role": "system", "content": "old prompt" + agent.SUMMARY_HEADER + "sum"},
                  {"role": "user", "content": "q"},
                  {"role": "assistant", "content": None, "tool_calls": [
-                     {"id": "a", "type": "function", "function": {"name": "x", "arguments": "{"}},
+                     {"id": "a", "type": "function", "function": {"name": "", "arguments": "{"}},
                      {"id": "b", "type": "function",
                       "function": {"name": "y", "arguments": "{}"}}]},
                  {"role": "tool", "tool_call_id": "b", "content": "fine"},
@@ -2993,7 +3153,8 @@ class SessionFileTest(unittest.TestCase):
         self.assertEqual(fixed[0]["content"], "new prompt" + agent.SUMMARY_HEADER + "sum")
         self.assertEqual([m["role"] for m in fixed], ["system", "user", "assistant", "tool",
                                                       "tool", "assistant", "user", "assistant"])
-        self.assertEqual(fixed[2]["tool_calls"][0]["function"]["arguments"], "{}")
+        self.assertEqual(fixed[2]["tool_calls"][0]["function"], {"name": agent.NAMELESS,
+                                                                 "arguments": "{}"})
 
 
 class StateTrustTest(unittest.TestCase):
@@ -3048,7 +3209,7 @@ class StateTrustTest(unittest.TestCase):
 # Settings, the command line, the terminal.
 
 # ----------------------------------------------------------------------------------------------
-# 22. Configuration
+# 23. Configuration
 # ----------------------------------------------------------------------------------------------
 
 class ConfigurationTest(unittest.TestCase):
@@ -3082,7 +3243,7 @@ class ConfigurationTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 24-26. The terminal, the demo, main()
+# 25-27. The terminal, the demo, main()
 # ----------------------------------------------------------------------------------------------
 
 class SourceTest(unittest.TestCase):
@@ -3110,6 +3271,7 @@ class ScriptOutputTest(unittest.TestCase):
         self.assertEqual(code, 0)
         self.assertEqual((result["answer"], result["rounds"], result["exit_reason"]),
                          ("done", 2, "answer"))
+        self.assertEqual(result["recovered_calls"], 0)
         self.assertEqual([(c["name"], c["ok"]) for c in result["tool_calls"]],
                          [("list_dir", True), ("read_file", False)])
         self.assertEqual((result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]),
@@ -3348,6 +3510,7 @@ class FuzzTest(unittest.TestCase):
         rng = random.Random(20261129)
         junk = [None, "", "{", "[]", "null", 0, [], {}, {"path": 3}, '{"path": "hello.py"}',
                 '{"pattern": "(", "path": "src"}', '{"path": "../../etc/passwd"}', "\udcff"]
+        text_call = hermes("read_file", path="hello.py") + "\n" + hermes("list_dir")
 
         def random_call():
             call = {}
@@ -3372,7 +3535,8 @@ class FuzzTest(unittest.TestCase):
             message = {"role": rng.choice(["assistant", None, "user"])}
             if rng.random() < 0.7:
                 message["content"] = rng.choice([None, "", "answer", ["part"], {"x": 1}, 3,
-                                                 "<think>hm</think>ok", "\udcff"])
+                                                 "<think>hm</think>ok", "\udcff", text_call,
+                                                 text_call[:40], "[TOOL_CALLS]", "[{}]"])
             if rng.random() < 0.6:
                 message["tool_calls"] = rng.choice([
                     [random_call() for _ in range(rng.randint(0, 3))], {}, "calls", None])
