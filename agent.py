@@ -2254,43 +2254,21 @@ def kill_tree(process, born):
 
     def kill():
         """The group, then strays, which may leave strays of their own or start more as they
-        die: sweep until a pass finds none (or STRAY_SWEEPS have not sufficed). The first
-        sweep gives them SIGTERM and a grace; later ones stop them all first, then kill."""
+        die: sweep until a pass finds none (or STRAY_SWEEPS have not sufficed)."""
         kill_groups([process.pid], reap_all)
         process.wait()
-        for sweep in range(STRAY_SWEEPS):
-            strays = find_strays(born) if sweep == 0 else freeze(born)
+        for _ in range(STRAY_SWEEPS):
+            strays = find_strays(born)
             if not strays:
                 break
-            kill_groups({group for _, group in strays}, lambda: [reap(p) for p, _ in strays],
-                        grace=1.0 if sweep == 0 else 0)
+            kill_groups({group for _, group in strays}, lambda: [reap(p) for p, _ in strays])
     uninterrupted(kill)
 
 
-STILL = ([b"T"], [b"t"], [b"Z"], [b"X"])   # /proc states: stopped, traced, a zombie, dead
-
-
-def freeze(born) -> list:
-    """Stop every stray where it stands, until a pass over /proc finds none still running,
-    and return them all, (pid, group). subtle: one that forks, exits and calls setsid over
-    and over would outrun any sweep that kills; a stopped process can start nothing."""
-    for _ in range(100):
-        strays = find_strays(born)
-        running = [pid for pid, _ in strays if stat_fields(pid)[:1] not in STILL]
-        if not running:
-            break
-        for pid in running:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except OSError:   # gone already
-                pass
-    return strays
-
-
-def kill_groups(groups, reap_ours, grace=1.0):
-    """Stop process groups, all at once: SIGTERM, grace seconds, then SIGKILL to those left.
+def kill_groups(groups, reap_ours):
+    """Stop process groups, all at once: SIGTERM, a second's grace, then SIGKILL to those left.
     reap_ours() collects the ones that were our children, so they stop counting as alive."""
-    for sig, grace in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.5)):
+    for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.5)):
         groups = [g for g in groups if signal_group(g, sig)]
         end = time.monotonic() + grace
         while groups and time.monotonic() < end:

@@ -1982,42 +1982,6 @@ class ProcessTrustTest(unittest.TestCase):
         self.assertEqual(len(self.read_pids(pids)), 6)
         self.assertEqual(self.alive(self.read_pids(pids)), [])
 
-    def test_a_process_that_forks_away_over_and_over_dies_too(self):
-        """A process that forks, exits and calls setsid over and over, faster than any sweep
-        can kill it, is stopped where it stands, then killed."""
-        runner = os.path.join(tempfile.mkdtemp(dir=STATE), "runner.py")
-        with open(runner, "w") as f:
-            f.write("import os\nwhile True:\n    if os.fork():\n        os._exit(0)\n"
-                    "    os.setsid()\n")
-
-        def running(scans=100):
-            """The pids of the runner seen in any of scans passes over /proc: a runner that
-            forks away all the time is in none of them for long, so one pass may miss it."""
-            found = set()
-            for _ in range(scans):
-                for pid in filter(str.isdigit, os.listdir("/proc")):
-                    with contextlib.suppress(OSError):
-                        with open("/proc/%s/cmdline" % pid, "rb") as f:
-                            if runner.encode() in f.read() and \
-                                    agent.stat_fields(pid)[:1] != [b"Z"]:
-                                found.add(int(pid))
-            return found
-
-        def kill_them():
-            """Stop what is left of it where it stands, then kill it (if the test failed)."""
-            while True:
-                left = running(20)
-                if not left:
-                    return
-                for pid in left:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGSTOP)
-                        os.kill(pid, signal.SIGKILL)
-        self.addCleanup(kill_them)
-        result = execute("run_shell", command="%s %s & sleep 0.3" % (sys.executable, runner))
-        self.assertEqual(result, "exit code 0 (no output)")
-        self.assertEqual(running(), set())
-
     def test_a_second_ctrl_c_does_not_stop_the_kill(self):
         """Ctrl+C stops a command; a second one during the grace it gets before SIGKILL does
         not stop the kill: a child that ignores SIGTERM dies too, then the interrupt goes on."""
