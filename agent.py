@@ -1210,15 +1210,15 @@ def unique_call_id(session, given) -> str:
     return f"call{n:05d}"
 
 
-# That is the whole agent. run_turn() appends the question and asks; query() sends the
-# transcript and the tools to the one endpoint and gets back a reply made strict; each call in
-# it goes through run_calls() to execute(), which checks it against TOOLS, keeps its paths inside
-# the workspace and asks the user before a change; each result is appended; and the loop stops
-# at an answer, at MAX_TURNS, or at a call repeated over and over. What follows fills it in:
-# Part II the tools themselves, Part III what real servers do to the endpoint (errors, retries,
-# streams, a context that fills up, calls left in the text), Part IV extensions that add tools
-# and keep sessions without changing the loop, and Part V the program around it: configuration,
-# screen, terminal, main().
+# That is the whole agent. run_turn() appends the question; query() sends the transcript and
+# the tools to the one endpoint and gets back a reply made strict; each call in it goes through
+# run_calls() to execute(), which checks it against TOOLS, asks the user before a change, and
+# runs the tool, whose paths resolve() keeps inside the workspace; each result is appended; and
+# the loop stops at an answer, at MAX_TURNS, or at a call repeated over and over. What follows
+# fills it in: Part II the tools themselves, Part III what real servers do to the endpoint
+# (errors, retries, streams, a context that fills up, calls left in the text), Part IV
+# extensions that add tools and keep sessions without changing the loop, and Part V the program
+# around it: configuration, screen, terminal, main().
 
 
 # ==============================================================================================
