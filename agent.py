@@ -118,7 +118,8 @@ DEFAULT_URL = "http://127.0.0.1:8080/v1"
 TIMEOUT = 300          # seconds of silence allowed while waiting on the server (LLM_TIMEOUT)
 MAX_TOKENS = 4096      # tokens per reply; small local models ramble until the context is full
 MAX_TURNS = 20         # tool rounds per user message, then one last answer without tools
-REPEAT_LIMIT = 2       # runs of one exact call in one reply: a 3rd is refused, a 4th ends the turn
+REPEAT_LIMIT = 2       # one exact call, in one reply or round after round: the 3rd is refused or
+                       # told it changes nothing, the 4th ends the turn
 
 RESULT_CAP = 8_000     # characters of one tool result the model sees
 LINE_CAP = 500         # characters of one line that read_file shows
@@ -220,6 +221,7 @@ class Session:
     messages: list = dataclasses.field(default_factory=list)  # the transcript
     system: str = ""                       # the system prompt, before any summary is added
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
+    streak: tuple = (None, 0)              # (the last call, times in a row with one result)
     results: dict = dataclasses.field(default_factory=dict)  # (tool, arguments) -> the place
                                            # in messages of the result last given in full
     path: str = ""                         # the file the transcript is saved in, as it grows
@@ -307,7 +309,7 @@ def append(session, message):
 
 def run_turn(session, question) -> str:
     """Answer one user message: query, run the tools the model calls, repeat until it answers."""
-    session.interrupted = False
+    session.interrupted, session.streak = False, (None, 0)
     close_turn(session, "[interrupted by the user]")   # mends a turn a Ctrl+C left open
     append(session, {"role": "user", "content": question})
     why = "max_turns"
@@ -331,7 +333,7 @@ def run_turn(session, question) -> str:
                 # to it ("unchanged: … read it there"), not a copy (section 18)
                 append(session, {"role": "tool", "tool_call_id": call["id"],
                                  "content": unchanged(session, call, result)})
-            if max(times.values()) > REPEAT_LIMIT + 1:
+            if max(times.values()) > REPEAT_LIMIT + 1 or session.streak[1] > REPEAT_LIMIT + 1:
                 why = "repeated_call"
                 break
         return final_answer(session, why)
@@ -402,7 +404,7 @@ def final_answer(session, why) -> str:
 
 # Why a turn ended without an answer, as it is told to the model and the user.
 STOPPED = {"max_turns": "{} tool rounds, the limit",
-           "repeated_call": "the same call was repeated with the same arguments in one reply"}
+           "repeated_call": "the same call, with the same arguments, was made over and over"}
 
 
 def close_turn(session, note):
@@ -2985,18 +2987,29 @@ UNCHANGED = ("unchanged: {} gave the same result as for call {}, which is still 
              "else, or answer.")
 
 
+AGAIN = (" This is the third time in a row: asking again will not change it, and the next "
+         "time ends the turn.")
+
+
 def unchanged(session, call, result) -> str:
     """result; or, if the same call gave it before and that is still in the transcript, a note
-    that points there. Errors are short, and are given again."""
-    if result.startswith("error:"):
-        return result
+    that points there. Errors are short, and are given again. It also counts the same call with
+    the same result made in a row (session.streak), which run_turn() ends at the 4th."""
     key, messages = (call["function"]["name"], call["function"]["arguments"]), session.messages
+    run = (session.changes, key)   # a change in between makes it another call
+    if result.startswith("error:"):   # not run, or failed: a row of other calls is broken
+        session.streak = session.streak if session.streak[0] == run else (run, 0)
+        return result
     # subtle: a compaction or /clear moves messages, so look that it is still where it was
     place = session.results.get(key, len(messages))
     if place < len(messages) and messages[place].get("content") == result:
+        same = session.streak[0] == run
+        session.streak = (run, session.streak[1] + 1 if same else 1)
         session.say("  → the same as before; the model is pointed there", DIM)
-        return UNCHANGED.format(key[0], messages[place]["tool_call_id"])
+        again = AGAIN if session.streak[1] == REPEAT_LIMIT + 1 else ""
+        return UNCHANGED.format(key[0], messages[place]["tool_call_id"]) + again
     session.results[key] = len(messages)   # where this result is about to go
+    session.streak = (run, 1)
     return result
 
 
@@ -3008,7 +3021,8 @@ def unpoint(kept, dropped):
     for m in kept:
         if m["role"] == "tool" and m["content"].startswith("unchanged:"):
             for call_id, result in gone.items():
-                if m["content"] == UNCHANGED.format(names.get(m["tool_call_id"]), call_id):
+                if m["content"].startswith(UNCHANGED.format(names.get(m["tool_call_id"]),
+                                                            call_id)):
                     m["content"] = result
 
 

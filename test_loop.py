@@ -2652,19 +2652,34 @@ class ContextTest(unittest.TestCase):
 
     def test_the_same_call_round_after_round_runs_and_points_to_its_first_result(self):
         """Asked again in later rounds, a call runs each time; a result the model already has
-        is not sent again, only where it is. MAX_TURNS, not the repeats, ends such a turn."""
-        rounds = [calls(tool_call("list_dir", path="src")) for _ in range(6)]
+        is not sent again, only where it is. The third in a row is told that asking again will
+        not change it, the fourth ends the turn with a final answer; a cut-off call (not run)
+        does not break the row."""
+        rounds = [calls(tool_call("list_dir", path="src")) for _ in range(5)]
         rounds[2]["finish_reason"] = "length"   # cut off, so not run: that changes nothing
         run = run_agent(rounds + [reply("done")])
         results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
         self.assertIn("app.py", results[0])
         self.assertTrue(results[2].startswith("error: cut_off"))
         pointer = agent.UNCHANGED.format("list_dir", rounds[0]["message"]["tool_calls"][0]["id"])
-        self.assertEqual(results[1:2] + results[3:], [pointer] * 4)
+        self.assertEqual(results[1:2] + results[3:], [pointer, pointer + agent.AGAIN, pointer])
         self.assertEqual(run.answer, "done")
-        self.assertNotIn("tool_choice", run.bodies[-1])
-        self.assertEqual(run.stderr.count("⚙ list_dir"), 5)
-        self.assertEqual(run.stderr.count("the same as before"), 4)
+        self.assertEqual(run.bodies[-1]["tool_choice"], "none")
+        self.assertEqual(run.session.exit_reason, "repeated_call")
+        self.assertEqual(run.stderr.count("\u2699 list_dir"), 4)
+
+    def test_a_row_is_broken_by_another_call_or_a_change(self):
+        """A different call in between, or a change, starts the count again: no early end."""
+        same = lambda: calls(tool_call("list_dir", path="src"))
+        for between in (calls(tool_call("read_file", path="hello.py")),
+                        calls(tool_call("write_file", path="row.txt", content="x\n"))):
+            run = run_agent([same(), same(), same(), between, same(), same(), same(),
+                             reply("done")], "q", "--yes")
+            self.assertEqual(run.answer, "done")
+            self.assertNotIn("tool_choice", run.bodies[-1])
+            results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+            self.assertEqual(sum(r.endswith(agent.AGAIN) for r in results), 2)   # 3rd, 3rd
+        os.unlink(os.path.join(WORK, "row.txt"))
 
 
 # ----------------------------------------------------------------------------------------------
