@@ -245,6 +245,7 @@ class Session:
     answered: bool = False                 # the server has answered once: it exists
     context_limit: int = 0                 # tokens the model can read; 0 = not known yet
     last_prompt: tuple = (0, 0)            # (prompt tokens the server counted, messages then)
+    read_less: bool = False                # the server was seen reading less than it was sent
     usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # totals
     # the screen and the record (sections 24, 25)
     show: Optional[Callable] = None        # show(kind, text) prints a reply as it streams in
@@ -2878,10 +2879,40 @@ def count_usage(session, data, sent, seconds):
                  cached_tokens=cached, completion_tokens=generated,
                  finish_reason=choice.get("finish_reason"), depth=len(session.indent) // 4)
     if prompt:
+        read_less(session, prompt, sent)
         session.last_prompt = (prompt, sent)
     if session.cfg.verbose:
         session.say(f"  [{prompt:,} prompt tokens, {cached:,} cached, {generated:,} generated, "
                     f"{seconds:.1f} s]", DIM)
+
+
+# A server may read less than it was sent, and say nothing: Ollama cuts every prompt to its
+# context length (4,096 tokens unless told otherwise), and a llama-server whose chat template
+# has no tool syntax drops the tools. The model then answers blind. What the server counted
+# gives it away: far fewer tokens than were sent. Said once; a cut prompt's size becomes the
+# budget, so that compaction keeps what is sent within what is read.
+
+def read_less(session, counted, sent):
+    """After a reply: if the server counted far fewer prompt tokens than were sent (under
+    half, and by over READ_LESS_MARGIN), say so once, and budget by what it reads."""
+    before, upto = session.last_prompt   # the last count, and the messages it covered
+    new = [session.messages[upto:sent]] if before else [session.messages[:sent], session.tools]
+    expected = before + len(json.dumps(new, ensure_ascii=False)) // CHARS_PER_TOKEN
+    if counted * 2 > expected or expected - counted < READ_LESS_MARGIN or session.read_less:
+        return
+    session.read_less = True
+    cut = counted >= 1024   # a whole context's worth: cut to it (a few hundred: tools dropped)
+    if cut:
+        session.context_limit = min(context_limit(session), counted)
+    session.say(f"  (the server read {counted:,} prompt tokens of about {expected:,} sent: it "
+                f"cuts the prompt short or drops the tools, and the model answers blind. "
+                f"Ollama: raise OLLAMA_CONTEXT_LENGTH or num_ctx ('ollama ps' shows the size "
+                f"in use); llama-server: a chat template with tools (--jinja, "
+                f"--chat-template-file) and a larger -c."
+                + (f" Budgeting by {counted:,} tokens from now on.)" if cut else ")"), YELLOW)
+
+
+READ_LESS_MARGIN = 500   # tokens: a small prompt miscounted by a guess is no warning
 
 
 def context_limit(session) -> int:
@@ -2892,13 +2923,21 @@ def context_limit(session) -> int:
 
 
 def server_context(session) -> int:
-    """llama-server's context size from GET /props (beside /v1, not under it); 0 if unknown."""
+    """The context size the server has: llama-server's from GET /props, Ollama's for the loaded
+    model from GET /api/ps (both beside /v1, not under it); 0 if unknown."""
     cfg = dataclasses.replace(session.cfg, url=re.sub(r"/v1$", "", session.cfg.url))
     try:
         status, _, raw = fetch(cfg, "GET", "/props", timeout=min(cfg.timeout, 10))
         props = json.loads(raw) if status == 200 else {}
         settings = props.get("default_generation_settings") or {}
-        return to_int(settings.get("n_ctx")) or to_int(props.get("n_ctx"))
+        found = to_int(settings.get("n_ctx")) or to_int(props.get("n_ctx"))
+        if found:
+            return found
+        status, _, raw = fetch(cfg, "GET", "/api/ps", timeout=min(cfg.timeout, 10))
+        loaded = json.loads(raw).get("models") if status == 200 else []
+        loaded = [m for m in loaded if isinstance(m, dict)]   # the model asked for, or the one
+        return next((to_int(m.get("context_length")) for m in loaded if len(loaded) == 1 or
+                     cfg.model in (m.get("name"), m.get("model"))), 0)
     except PROBE_ERRORS:
         return 0
 

@@ -128,6 +128,9 @@ class CannedHandler(BaseHTTPRequestHandler):
             self.send(200, {"object": "list", "data": [{"id": m} for m in self.server.models]})
         elif self.path == "/props" and self.server.n_ctx:
             self.send(200, {"default_generation_settings": {"n_ctx": self.server.n_ctx}})
+        elif self.path == "/api/ps" and getattr(self.server, "ollama_ctx", 0):   # Ollama
+            self.send(200, {"models": [{"name": "canned-model", "model": "canned-model",
+                                        "context_length": self.server.ollama_ctx}]})
         else:
             self.send(404, {"error": {"message": "no models here"}})
 
@@ -2215,8 +2218,8 @@ class ServerTrustTest(unittest.TestCase):
                     self.assertIn("(HTTP %d) to %s" % (status, elsewhere), str(caught.exception))
                     self.assertIn("set LLM_URL", str(caught.exception))
                     self.assertEqual([(r["method"], r["path"]) for r in server.requests],
-                                     [("GET", "/props"), ("GET", "/v1/models"),
-                                      ("POST", "/v1/chat/completions")])
+                                     [("GET", "/props"), ("GET", "/api/ps"),
+                                      ("GET", "/v1/models"), ("POST", "/v1/chat/completions")])
                     self.assertEqual(server.requests[-1]["headers"]["Authorization"],
                                      "Bearer " + key)
             self.assertEqual(other.requests, [])
@@ -2267,8 +2270,11 @@ class ServerTrustTest(unittest.TestCase):
                 code, out, err = cli(["--json", "q"], url=server.url,
                                      env={"LLM_API_KEY": key, "LLM_MODEL": "",
                                           "XDG_STATE_HOME": state})
-            saved = "".join(open(os.path.join(top, name)).read()
-                            for top, _, names in os.walk(state) for name in names)
+            saved = ""
+            for top, _, names in os.walk(state):
+                for name in names:
+                    with open(os.path.join(top, name)) as f:
+                        saved += f.read()
             self.assertNotIn(key, out + err + saved)
             self.assertIn("***", out + saved)
 
@@ -2632,6 +2638,29 @@ class ContextTest(unittest.TestCase):
         self.assertIn("no longer fits the model's context (6000 tokens > 5000)",
                       str(caught.exception))
         assert_valid(self, session.messages)
+
+    def test_a_server_that_reads_less_than_it_is_sent_is_named(self):
+        """A server that counts far fewer prompt tokens than were sent (Ollama cutting the
+        prompt, a template that drops the tools) is named once, with what to do; a cut prompt's
+        size becomes the budget. A server that counts about what was sent is not named."""
+        long = "please read this carefully. " * 2000   # about 18,000 tokens by the guess
+        for question, counted, warned, budget in ((long, 4096, True, 4096),    # Ollama's cut
+                                                  ("q", 369, True, 32768),     # tools dropped
+                                                  ("q", 1500, False, 32768)):  # all of it read
+            step = dict(reply("ok"), extra={"usage": {"prompt_tokens": counted}})
+            run = run_agent([step, dict(step)], question)
+            self.assertEqual("read %s prompt tokens" % format(counted, ",") in run.stderr, warned)
+            self.assertEqual(run.session.context_limit, budget)
+        self.assertIn("OLLAMA_CONTEXT_LENGTH", run_agent(
+            [dict(reply("ok"), extra={"usage": {"prompt_tokens": 369}})]).stderr)
+
+    def test_ollama_says_its_context_length(self):
+        """Against Ollama (GET /api/ps), the loaded model's context length is the budget."""
+        with CannedServer([reply("ok")]) as server:
+            server.ollama_ctx = 2048
+            session = agent.new_session(config(server.url))
+            run_turn_quietly(session, "q")
+        self.assertEqual(session.context_limit, 2048)
 
     def test_text_that_is_not_ascii_is_not_overcounted(self):
         """The size guess counts characters, not the \\u escapes JSON would write for them."""
