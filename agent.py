@@ -3278,8 +3278,8 @@ def start_mcp(session):
             name = tool_name(server.name, tool["name"], session.handlers)
             schema = tool.get("inputSchema")
             session.tools.append({"type": "function", "function": {
-                "name": name, "description": str(tool.get("description") or tool["name"])[:2000],
-                "parameters": schema if isinstance(schema, dict) else
+                "name": name, "description": str(tool.get("description") or tool["name"])[:1000],
+                "parameters": slim_schema(schema) if isinstance(schema, dict) else
                 {"type": "object", "properties": {}}}})
             session.handlers[name] = mcp_handler(server, tool["name"], read_only)
             if not read_only:
@@ -3312,6 +3312,44 @@ def find_program(command, env, cwd) -> str:
     found = shutil.which(os.path.join(cwd, command) if os.path.dirname(command) else command,
                          path=folders)
     return os.path.normpath(found) if found else ""
+
+
+def slim_schema(schema, defs=None, depth=0, inside=()):
+    """An MCP tool's input schema as a small model reads it best, meaning the same: no $schema
+    or titles, local $refs written out in place, anyOf [X, null] as X, descriptions cut to 300
+    characters. The arguments go back to the server as the model gives them."""
+    if isinstance(schema, list):
+        return [slim_schema(item, defs, depth + 1, inside) for item in schema]
+    if not isinstance(schema, dict) or depth > 20:   # deeper: left as it is
+        return schema
+    if defs is None:
+        defs = dict(schema.get("definitions") or {}, **(schema.get("$defs") or {}))
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and re.fullmatch(r"#/(\$defs|definitions)/[^/]+", ref):
+        target = defs.get(ref.rsplit("/", 1)[1])
+        rest = {k: v for k, v in schema.items() if k != "$ref"}
+        if ref in inside:   # subtle: a schema that refers to itself is written out once
+            return slim_schema(dict(rest, type="object"), defs, depth + 1, inside)
+        if isinstance(target, dict):
+            return slim_schema(dict(target, **rest), defs, depth + 1, inside + (ref,))
+    for key in ("anyOf", "oneOf"):   # Optional[X] from pydantic: X, or null
+        options = schema.get(key)
+        if isinstance(options, list) and len(options) == 2 and {"type": "null"} in options:
+            other = options[0] if options[1] == {"type": "null"} else options[1]
+            rest = {k: v for k, v in schema.items() if k != key}
+            return slim_schema(dict(other, **rest), defs, depth + 1, inside)
+    slim = {}
+    for key, value in schema.items():
+        if key in ("$schema", "$id", "$defs", "definitions", "title", "$comment"):
+            continue
+        if key == "description" and isinstance(value, str):
+            value = value if len(value) <= 300 else value[:299] + "…"
+        elif key == "properties" and isinstance(value, dict):
+            value = {name: slim_schema(v, defs, depth + 1, inside) for name, v in value.items()}
+        elif isinstance(value, (dict, list)):
+            value = slim_schema(value, defs, depth + 1, inside)
+        slim[key] = value
+    return slim
 
 
 def mcp_handler(server, tool, read_only):

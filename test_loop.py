@@ -3073,6 +3073,34 @@ class McpTest(unittest.TestCase):
         self.assertNotIn("mcp__test__echo", tools[0])
         self.assertIn("mcp__test__echo", tools[1])
 
+    def test_schemas_are_made_small_model_friendly(self):
+        """An MCP tool's schema is offered without $schema and titles, with local $refs written
+        out, anyOf [X, null] as X and long descriptions cut; its meaning is kept."""
+        big = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "Args",
+               "type": "object", "required": ["where"],
+               "$defs": {"Place": {"title": "Place", "type": "object",
+                                   "properties": {"city": {"type": "string", "title": "City"}},
+                                   "required": ["city"]}},
+               "properties": {
+                   "where": {"$ref": "#/$defs/Place", "description": "the place"},
+                   "when": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None,
+                            "title": "When", "description": "x" * 1000},
+                   "loop": {"$ref": "#/$defs/Loop"}}}
+        big["$defs"]["Loop"] = {"type": "object", "properties": {"next": {"$ref": "#/$defs/Loop"}}}
+        slim = agent.slim_schema(big)
+        self.assertNotIn("$schema", json.dumps(slim))
+        self.assertNotIn("title", json.dumps(slim))
+        self.assertNotIn("$defs", slim)
+        self.assertEqual(slim["required"], ["where"])
+        self.assertEqual(slim["properties"]["where"], {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "description": "the place"})
+        self.assertEqual(slim["properties"]["when"]["type"], "string")
+        self.assertEqual(len(slim["properties"]["when"]["description"]), 300)
+        self.assertEqual(slim["properties"]["loop"], {"type": "object", "properties": {
+            "next": {"type": "object"}}})   # a schema that refers to itself, written out once
+        self.assertLess(len(json.dumps(slim)), len(json.dumps(big)))
+
     def test_expand_variables(self):
         """${VAR} and ${VAR:-default} are filled in from the environment."""
         self.assertEqual(agent.expand({"a": ["${X}", "${Y:-dflt}", "${X:-no}"]}, {"X": "1"}),
