@@ -1132,8 +1132,9 @@ def normalise(session, data, tools=()) -> Reply:
             continue
         fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
         args = fn.get("arguments", fn.get("parameters"))
-        text = redact(session.cfg, json_arguments(args))
-        arguments.append(args if text == json_arguments(args) else text)
+        given = json_arguments(args)
+        text = redact(session.cfg, given)   # the key, should the server have put it in
+        arguments.append(args if text == given else text)
         calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function",
                       "function": {"name": call_name(fn.get("name")), "arguments": text}})
     if not calls and tools and session.cfg.text_tools:   # calls left in the text (section 19)
