@@ -46,12 +46,12 @@ Run it:
     git diff | python3 agent.py "review this"        stdin is added to the question
     python3 agent.py                                 an interactive session (on a terminal)
     python3 agent.py --tool search '{"pattern": "def main"}'    run one tool, no model
-LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 23 lists every setting.
+LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 27 lists every setting.
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
     messages    the transcript: every message so far, sent whole each round; only appended to,
-                but for a compaction (section 18), /clear and a resumed session
+                but for a compaction (section 20), /clear and a resumed session
     tool call   {"id", "type": "function", "function": {"name", "arguments": JSON text}} in
                 an assistant message, answered by one {"role": "tool", "tool_call_id", "content"}
     say, show, emit   the three ways out: a line for the user on stderr; the model's reply (or
@@ -106,6 +106,10 @@ try:
     import termios   # to throw away what was typed before a question
 except ImportError:  # Windows
     termios = None
+try:
+    import tomllib   # to check a .toml file after an edit
+except ImportError:  # Python before 3.11
+    tomllib = None
 
 VERSION = "0.1.0"
 
@@ -199,7 +203,7 @@ FINAL_REQUEST = ("[agent] Stopped ({why}). Do not call tools. Answer the questio
 # ----------------------------------------------------------------------------------------------
 # 2. The session: what one conversation carries
 # ----------------------------------------------------------------------------------------------
-# Config is what the user set (section 23); a Session is one conversation: its transcript, the
+# Config is what the user set (section 27); a Session is one conversation: its transcript, the
 # tools it offers, what it has learned about the server, and how it talks to the user. It is a
 # record of the program's own; what travels to the server stays plain JSON, in its messages.
 
@@ -208,7 +212,7 @@ class Session:
     """One conversation: its transcript, and what it has learned and shown along the way.
     Each field is explained where it is used; here they are by kind."""
     cfg: Config
-    # the conversation (sections 3, 18, 22)
+    # the conversation (sections 3, 20, 24)
     messages: list = dataclasses.field(default_factory=list)  # the transcript
     system: str = ""                       # the system prompt, before any summary is added
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
@@ -218,18 +222,22 @@ class Session:
     path: str = ""                         # the file the transcript is saved in, as it grows
     saved: int = 0                         # messages written to it so far
     exit_reason: str = ""                  # how the last turn ended: answer, max_turns, ...
-    # the tools (sections 4, 7, 8, 20, 21)
+    # the tools (sections 4, 7, 8, 22, 23)
     tools: list = dataclasses.field(default_factory=list)    # the schemas offered, fixed
     handlers: dict = dataclasses.field(default_factory=dict)  # the session's own tools: MCP, task
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
     always: set = dataclasses.field(default_factory=set)     # tools the user always allows
     changes: int = 0                       # changes made so far: a call repeated after one
                                            # may see something new, so is not a repeat
-    recovered: int = 0                     # calls the model wrote as text, run (section 19)
+    recovered: int = 0                     # calls the model wrote as text, run (section 21)
+    rules: Optional[list] = None           # the user's command rules, once read (section 25)
+    turns: int = 0                         # questions asked so far: the turn under way
+    checkpointed: int = -1                 # the turn last snapshotted for /undo (section 26)
+    checkpoints: bool = True               # False once a snapshot has failed, or if turned off
     interrupted: bool = False              # Ctrl+C ended the turn: reads still running in
                                            # threads print nothing more
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
-    # the server (sections 9, 16-18)
+    # the server (sections 9, 18-20)
     transport: Optional[Callable] = None   # request body -> reply JSON: post_chat, or a script
     token_param: str = "max_tokens"        # "max_completion_tokens" once a server insists
     stream_options: bool = True            # False once a server refuses stream_options
@@ -238,7 +246,7 @@ class Session:
     last_prompt: tuple = (0, 0)            # (prompt tokens the server counted, messages then)
     read_less: bool = False                # the server was seen reading less than it was sent
     usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # totals
-    # the screen and the record (sections 24, 25)
+    # the screen and the record (sections 28, 29)
     show: Optional[Callable] = None        # show(kind, text) prints a reply as it streams in
     shown: set = dataclasses.field(default_factory=set)   # what of the last reply was shown
     indent: str = ""                       # before every line printed: a sub-agent's is deeper
@@ -269,8 +277,12 @@ SAYING = threading.Lock()     # one line at a time reaches stderr
 
 
 def new_session(cfg, transport=None) -> Session:
-    """A fresh conversation: the system prompt, built once, as its first message."""
-    skills = find_skills(cfg.root)
+    """A fresh conversation: the system prompt, built once, as its first message; and, if it
+    may run commands, the OS sandbox they will run in, found once (section 16)."""
+    skills, why = find_skills(cfg.root), ""
+    if cfg.sandbox and not cfg.read_only and not cfg.bwrap:   # the session's own copy of cfg
+        bwrap, why = probe_sandbox(cfg)
+        cfg = dataclasses.replace(cfg, bwrap=bwrap)
     # commands run in bash, as models expect; where it is missing, the model must know
     shell = "" if os.path.basename(cfg.shell) == "bash" else f" run_shell runs {cfg.shell}."
     changing = READ_ONLY if cfg.read_only else CHANGING.format(shell=shell)
@@ -278,9 +290,14 @@ def new_session(cfg, transport=None) -> Session:
                                    changing=changing) +
               project_instructions(cfg.root) + skills_prompt(skills))
     session = Session(cfg, [{"role": "system", "content": system}], system=system,
-                      tools=tools_for(cfg, skills),
+                      tools=tools_for(cfg, skills), checkpoints=cfg.checkpoints,
                       serial=set() if cfg.read_only else set(CHANGES))
     session.transport = transport or (lambda body: post_chat(session, body))
+    if why:
+        session.say(f"(sandbox off: bwrap does not work here: {why}; commands run as you, each "
+                    f"asked about)", YELLOW)
+    elif cfg.verbose and not cfg.read_only:
+        session.say(f"({sandbox_state(cfg)})", DIM)
     return session
 
 
@@ -304,6 +321,7 @@ def append(session, message):
 def run_turn(session, question) -> str:
     """Answer one user message: query, run the tools the model calls, repeat until it answers."""
     session.interrupted, session.streak = False, (None, 0)
+    session.turns += 1
     close_turn(session, "[interrupted by the user]")   # mends a turn a Ctrl+C left open
     append(session, {"role": "user", "content": question})
     why = "max_turns"
@@ -324,7 +342,7 @@ def run_turn(session, question) -> str:
             times = collections.Counter()   # each distinct call -> how often this reply makes it
             for call, result in zip(tool_calls, run_calls(session, reply, times)):
                 # a result the model was given before, word for word, comes back as a pointer
-                # to it ("unchanged: … read it there"), not a copy (section 18)
+                # to it ("unchanged: … read it there"), not a copy (section 20)
                 append(session, {"role": "tool", "tool_call_id": call["id"],
                                  "content": unchanged(session, call, result)})
             if max(times.values()) > REPEAT_LIMIT + 1 or session.streak[1] > REPEAT_LIMIT + 1:
@@ -478,14 +496,14 @@ def integer(description=""):
 TOOLS = [
     tool_schema(
         "list_dir",
-        f"List a folder ('name/' for folders, sizes for files), or every file whose path "
-        f"matches a glob ('**' spans folders; without '/' it matches names at any depth), "
-        f"skipping .git and git-ignored files. {PATH_CAP} entries at most.",
+        f"List a folder, or every file whose path matches a glob ('**' spans folders; "
+        f"without '/' it matches names at any depth), skipping .git and git-ignored files. "
+        f"{PATH_CAP} entries at most.",
         path=string("a folder (default '.') or a glob such as '*.py' or 'src/**/test_*.py'")),
     tool_schema(
         "read_file",
-        f"Read a text file as numbered lines: 200 from offset, or limit (about {RESULT_CAP:,} "
-        f"characters at most). A header says where to go on if there is more.",
+        f"Read a text file as numbered lines: 200 from offset, or limit (at most about "
+        f"{RESULT_CAP:,} characters); a header says where to go on.",
         required=["path"],
         path=string(),
         offset=integer("first line, 1-based"),
@@ -513,17 +531,17 @@ TOOLS = [
         content=string()),
     tool_schema(
         "edit_file",
-        "Replace the one occurrence of old with new and show the edited lines. old must match "
-        "exactly, indentation included; else nothing changes and the error shows the closest "
-        "lines.",
+        "Replace old with new and show the edited lines. old must match exactly, indentation "
+        "included, and be unique (give lines around it); else nothing changes and the error "
+        "shows the closest lines.",
         required=["path", "old", "new"],
         path=string(),
-        old=string("the exact text, with enough lines around it to be unique"),
+        old=string(),
         new=string()),
     tool_schema(
         "run_shell",
         "Run a shell command in the workspace root, with no input: the exit code and output "
-        "(head and tail if long). Whatever it started is killed when it ends.",
+        "(head and tail if long). Nothing it starts outlives it.",
         required=["command"],
         command=string("e.g. 'python3 -m pytest -x -q'"),
         timeout=integer(f"seconds; default {SHELL_TIMEOUT}")),
@@ -535,9 +553,22 @@ CHANGES = {"write_file", "edit_file", "run_shell"}
 
 def tools_for(cfg, skills) -> list:
     """The tools this session offers: none that change anything if read-only, no load_skill
-    if there are no skills. Fixed for the session, so the request prefix stays the same."""
-    return [t for t in TOOLS if not (cfg.read_only and t["function"]["name"] in CHANGES) and
+    if there are no skills, run_shell as the sandbox makes it. Fixed for the session, so the
+    request prefix stays the same."""
+    tools = [SANDBOXED_SHELL if t is TOOLS[-1] and cfg.bwrap else t for t in TOOLS]
+    return [t for t in tools if not (cfg.read_only and t["function"]["name"] in CHANGES) and
             not (t["function"]["name"] == "load_skill" and not skills)]
+
+
+# run_shell where commands run in the OS sandbox (section 16): what that means, and the way out.
+SANDBOXED_SHELL = tool_schema(
+    "run_shell",
+    TOOLS[-1]["function"]["description"] + " It runs sandboxed: no network; writes only in "
+    "the workspace (not .git) and /tmp.",
+    required=["command"],
+    **TOOLS[-1]["function"]["parameters"]["properties"],
+    outside_sandbox=string("if the sandbox stops it: why it must run outside (the user is "
+                           "asked)"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -827,7 +858,7 @@ def run_call(session, name, arguments, place=0) -> str:
         session.say(f"⚙ {name}({shown_args})")
     start = time.monotonic()
     result = execute(session.cfg, name, arguments, session.tools,
-                     lambda *request: ask_permission(session, *request), session.handlers)
+                     lambda *request: approve(session, *request), session.handlers)
     if session.interrupted:   # a read still running when Ctrl+C came: keep quiet
         return result
     seconds = time.monotonic() - start
@@ -857,11 +888,14 @@ def one_line(text, width) -> str:
 # 8. Approval: nothing changes until the user says yes
 # ----------------------------------------------------------------------------------------------
 # Reading is free; writing, editing and running commands are not. A tool that changes something
-# returns a Plan, and the executor hands it to approve(), which in a session is ask_permission():
+# returns a Plan, and the executor hands it to approve(), which in a session is approve() here:
 # it shows the user the diff or the command and asks: y(es), n(o) with an optional reason that
-# goes back to the model, a(lways) for this tool in this session, or ? for the full arguments.
-# With no terminal to ask on, the answer is no, unless --yes said yes to everything in advance;
-# nothing ever waits for input that cannot come.
+# goes back to the model, a(lways), or ? for the full arguments. [a]lways allows this tool for
+# the session, or, for a command, the commands that start with the same words, for good in this
+# workspace. Some changes go ahead unasked, still shown: what --yes, --auto or such a rule
+# allows, and commands that only read, in the OS sandbox (section 25). With no terminal to ask
+# on, the answer is no; nothing ever waits for input that cannot come. Before the first change
+# of a turn goes ahead, the workspace is snapshotted, so that /undo can put it back (26).
 
 @dataclasses.dataclass
 class Plan:
@@ -871,20 +905,41 @@ class Plan:
     needs_approval: bool = True      # False: runs unasked, but still as a Plan, which runs
                                      # free of the tool time limit (a task, say)
     subject: str = ""                # what it changes, named in the question: "src/app.py"
+    command: str = ""                # a command to run: rules and modes apply (section 25)
+    sandbox: str = ""                # where it runs: "read" or "write" (the workspace may be
+                                     # written) in the OS sandbox, "" outside (section 16)
+    outside: str = ""                # why it must run outside the sandbox: always asked about
 
 
 NO_TERMINAL = ("this session has no terminal to ask the user on, so {} is not allowed. Do not "
                "try again; describe the change you would make instead.")
 REFUSED = "the user did not allow this {} call.{} Do not repeat it; adjust your approach."
-ASK = "Allow {}? [y]es  [n]o, or type a reason  [a]lways for {}  [?] arguments › "
+ASK = "Allow {}? [y]es  [n]o, or type a reason{}  [?] arguments › "
+
+
+def approve(session, name, args, plan):
+    """May this change go ahead? (allowed, what the model is told if not). Asked of the user
+    unless allowed in advance; once allowed, and before it is made, the workspace is
+    snapshotted if this is the turn's first change (section 26)."""
+    allowed, reason = ask_permission(session, name, args, plan)
+    if allowed and plan.sandbox != "read":   # a command that only reads changes nothing
+        checkpoint(session)
+    return allowed, reason
 
 
 def ask_permission(session, name, args, plan):
     """Show a proposed change and ask whether it may go ahead: (allowed, what the model is told
     if not). Only y, yes, a or always allow it; any other words refuse it, and are the reason."""
     show_preview(session, plan.preview)
-    if session.cfg.yes or name in session.always:
+    why = unasked(session, name, plan)
+    if why:
+        if why != "--yes":   # say why nobody was asked; --yes said it for all
+            session.say(f"  (runs unasked: {why})", DIM)
         return True, ""
+    rules = rules_for(plan.command) if plan.command and not plan.outside else []
+    always = ("" if plan.outside or (plan.command and not rules) else
+              f"  [a]lways for commands starting with {', '.join(map(repr, rules))}" if rules
+              else f"  [a]lways for {name}")
     terminal = open_terminal()
     if terminal is None:
         session.say(f"  {name} refused: no terminal to ask on (--yes allows changes)", YELLOW)
@@ -892,8 +947,10 @@ def ask_permission(session, name, args, plan):
     with terminal:
         discard_typed_ahead(terminal)   # words typed for the model must not answer this
         while True:
-            what = f"{name} on {plan.subject}" if plan.subject else name
-            session.say(ASK.format(what, name), BOLD, end="")
+            what = (f"{name} on {plan.subject}" if plan.subject else f"{name} OUTSIDE THE "
+                    f"SANDBOX" if plan.outside else f"{name} in the sandbox" if plan.sandbox
+                    else name)
+            session.say(ASK.format(what, always), BOLD, end="")
             answer = terminal.readline()
             if not answer:                       # end of input: nobody is there to say yes
                 session.say("")
@@ -901,8 +958,12 @@ def ask_permission(session, name, args, plan):
             answer = answer.strip()
             if answer.lower() in ("y", "yes"):
                 return True, ""
-            if answer.lower() in ("a", "always"):
-                session.always.add(name)
+            if answer.lower() in ("a", "always") and always:
+                if rules:   # kept for this workspace, in the user's state folder
+                    save_rules(session, load_rules(session) + [r for r in rules
+                                                               if r not in load_rules(session)])
+                else:
+                    session.always.add(name)
                 return True, ""
             if answer == "?":
                 for row in json.dumps(args, indent=2, ensure_ascii=False).split("\n"):
@@ -920,6 +981,21 @@ def discard_typed_ahead(terminal):
         termios.tcflush(terminal.fileno(), termios.TCIFLUSH)
     except (AttributeError, OSError, ValueError):   # no termios (Windows): nothing to flush
         pass
+
+
+def confirm(session, question) -> bool:
+    """Ask the user a yes-or-no question on the terminal: only y or yes is yes; with no
+    terminal to ask on, no, unless --yes said yes in advance."""
+    if session.cfg.yes:
+        return True
+    terminal = open_terminal()
+    if terminal is None:
+        session.say("  (no terminal to ask on; --yes allows it)", YELLOW)
+        return False
+    with terminal:
+        discard_typed_ahead(terminal)
+        session.say(f"{question} [y]es  [n]o › ", BOLD, end="")
+        return terminal.readline().strip().lower() in ("y", "yes")
 
 
 def open_terminal():
@@ -1021,7 +1097,7 @@ def shows_as_is(text) -> bool:
 # One endpoint: POST {url}/chat/completions with the whole transcript and the tool schemas.
 # Every request goes through post_chat(), the one place where failures that may pass are
 # retried, with growing waits; exchange() makes one attempt and sorts out how it went (see
-# section 16), reading a streamed reply as it comes (section 17).
+# section 18), reading a streamed reply as it comes (section 19).
 
 def post_chat(session, body) -> dict:
     """POST body to /chat/completions and return the reply JSON, retrying what may pass."""
@@ -1096,7 +1172,7 @@ def connect(cfg, method, path, body=None, timeout=None):
 # The reply's first choice holds an assistant message with text, tool calls, or both, and
 # servers disagree about its shape: arguments as text, an object or nothing; ids missing or
 # reused, names missing; reasoning in one field or another, or in the text; a call left in the
-# text, unparsed (section 19). normalise() reshapes every reply into the one form that every
+# text, unparsed (section 21). normalise() reshapes every reply into the one form that every
 # server accepts back, before it enters the transcript.
 
 def normalise(session, data, tools=()) -> Reply:
@@ -1110,7 +1186,7 @@ def normalise(session, data, tools=()) -> Reply:
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))
     reasoning = text_of(message.get("reasoning") or message.get("reasoning_content"))
-    # thinking some servers leave in the text (Screen.show, section 24, splits it alike)
+    # thinking some servers leave in the text (Screen.show, section 28, splits it alike)
     think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
@@ -1132,7 +1208,7 @@ def normalise(session, data, tools=()) -> Reply:
         arguments.append(args if text == given else text)
         calls.append({"id": unique_call_id(session, raw.get("id")), "type": "function",
                       "function": {"name": call_name(fn.get("name")), "arguments": text}})
-    if not calls and tools and session.cfg.text_tools:   # calls left in the text (section 19)
+    if not calls and tools and session.cfg.text_tools:   # calls left in the text (section 21)
         content, recovered = text_calls(content, tools)
         for name, args in recovered:
             arguments.append(args)
@@ -1604,7 +1680,7 @@ def git_environment(directory, env) -> dict:
 # expression. Two things make it fast: ripgrep, where installed, scans the tree instead; and
 # the Python scan rules a file out on its raw bytes, where it can, before decoding it. Neither
 # can be made to run without end by a pattern: a regex that could run across lines is tried
-# line by line, and the loops check the deadline that TimeLimit sets (section 15).
+# line by line, and the loops check the deadline that TimeLimit sets (section 17).
 
 def search(cfg, pattern, path="."):
     """Rows 'path:line: text' for every line matching pattern in the text files below path,
@@ -1874,7 +1950,7 @@ def write_file(cfg, path, content):
 
 def edit_file(cfg, path, old, new):
     """Plan to replace the one occurrence of old in a text file with new; if old occurs
-    nowhere, the one run of whole lines it nearly matches (edit_near_miss)."""
+    nowhere, the one run of whole lines it nearly matches (section 14)."""
     if not old:
         raise ToolError("bad_argument", "old is empty; give the exact text to replace (to "
                         "create a file, use write_file)")
@@ -1918,6 +1994,154 @@ def no_single_match(path, text, old, count) -> ToolError:
                      f"{hint}\nRead the file and copy the text exactly, indentation included.")
 
 
+def current_text(path, full) -> Optional[str]:
+    """The text of the file at full, or None if there is none; refused if binary or huge."""
+    if not os.path.lexists(full):
+        return None
+    if os.path.isdir(full):
+        raise ToolError("is_a_directory", f"{path!r} is a directory")
+    if not os.path.isfile(full):
+        raise ToolError("not_a_regular_file", f"{path!r} is a FIFO, socket or device")
+    with open(full, "rb") as f:
+        data = f.read(EDIT_CAP + 1)
+    if len(data) > EDIT_CAP:
+        raise ToolError("too_large", f"{path!r} is over {human_size(EDIT_CAP)}; change it with "
+                        f"run_shell (sed, a script) instead")
+    if is_binary(data[:SNIFF]):
+        raise ToolError("binary_file", f"{path!r} is a binary file; it can only be changed "
+                        f"with run_shell")
+    return data.decode("utf-8", "surrogateescape")   # subtle: bytes not in UTF-8 survive
+
+
+def encoded(text) -> bytes:
+    """text as the bytes to write: UTF-8, with any bytes read from the file given back."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as e:
+        raise ToolError("bad_content", f"the new text holds a character that cannot be "
+                        f"written as UTF-8 ({e.reason} at {e.start})") from None
+
+
+def plan_write(root, path, full, before, after, result) -> Plan:
+    """A Plan to replace the text before (None: no file) with after, shown as a diff whose
+    headers name the file that will be written, as the sandbox resolved it."""
+    name = relative(root, full)
+    diff = "".join(difflib.unified_diff(
+        diff_lines(before or ""), diff_lines(after), "/dev/null" if before is None else
+        f"a/{name}", f"b/{name}")).rstrip("\n")
+
+    def carry_out():
+        """Write after, unless the path or the file changed while the user looked at the diff;
+        and say so if the change broke a file that parsed before."""
+        if resolve(root, path) != full or current_text(path, full) != before:
+            raise ToolError("changed_meanwhile", f"{path!r} changed while this change waited "
+                            f"for approval, so it was not made; look at it again")
+        write_text(full, after)
+        return result + broken_by(name, before, after)
+    return Plan(diff or f"(no change to {name})", carry_out, subject=name)
+
+
+# A change that breaks a file's syntax is best mended at once, in the next call, not found at
+# test time: after a write or an edit, a file the standard library can parse is parsed, and
+# an error the change brought in is added to the result. A file that did not parse before is
+# left alone: its error is not this change's, and would be said after every edit.
+
+def broken_by(name, before, after) -> str:
+    """A line for the result if after fails to parse where before did ('' if not, or if the
+    kind of file is not one the standard library reads)."""
+    check = SYNTAX_CHECKS.get(os.path.splitext(name)[1].lower())
+    if check is None or (before is not None and check(before)):
+        return ""
+    error = check(after)
+    verb = "does not parse" if before is None else "no longer parses"
+    return f"\nwarning: {name} {verb}: {error}. Fix it in your next call." if error else ""
+
+
+def python_error(text) -> str:
+    """Why Python cannot compile text, with the line ('' if it can)."""
+    try:
+        with warnings.catch_warnings():   # an invalid escape is a warning, not an error
+            warnings.simplefilter("ignore")
+            compile(text, "<edit>", "exec", dont_inherit=True)
+    except SyntaxError as e:   # IndentationError and TabError too
+        return (f"{type(e).__name__} at line {e.lineno}: {e.msg} (Python "
+                f"{platform.python_version()})")
+    except (ValueError, UnicodeError, RecursionError, MemoryError):
+        return ""   # a NUL, bytes that are no UTF-8, too deep: no verdict
+    return ""
+
+
+def json_error(text) -> str:
+    """Why text is not JSON, with the line ('' if it is)."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+    except (ValueError, RecursionError):
+        return ""
+    return ""
+
+
+def toml_error(text) -> str:
+    """Why text is not TOML, with the line ('' if it is, or if this Python has no tomllib)."""
+    if tomllib is None:
+        return ""
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        return f"invalid TOML: {e}"
+    except (ValueError, RecursionError):
+        return ""
+    return ""
+
+
+SYNTAX_CHECKS = {".py": python_error, ".json": json_error, ".toml": toml_error}
+
+
+def diff_lines(text) -> list:
+    """text as lines for a diff, line endings kept, so a changed \\r\\n or last newline shows."""
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n\\ No newline at end of file\n"
+    return lines
+
+
+def write_text(full, text):
+    """Write text to full by way of a temporary file and a rename, keeping the file's mode."""
+    folder = os.path.dirname(full)
+    os.makedirs(folder, exist_ok=True)
+    # subtle: mkstemp makes a file only we can read; a new file gets what the umask allows
+    mode = stat.S_IMODE(os.stat(full).st_mode) if os.path.exists(full) else 0o666 & ~umask()
+    fd, temporary = tempfile.mkstemp(dir=folder, prefix=".agent-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(encoded(text))
+        os.chmod(temporary, mode)
+        os.replace(temporary, full)   # a crash leaves the old file or the new, never half
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def umask() -> int:
+    """The process's umask: the permissions new files are made without."""
+    mask = os.umask(0o077)   # the only way to read it is to set it, and at once set it back
+    os.umask(mask)
+    return mask
+
+
+def numbered(text, first, last) -> str:
+    """Lines first..last (1-based) of text, numbered as read_file numbers them."""
+    lines = text.split("\n")
+    if lines[-1] == "":   # the text ends with a newline: no line after it
+        lines.pop()
+    return "\n".join(f"{n:6}\t{lines[n - 1]}" for n in range(max(first, 1),
+                                                            min(last, len(lines)) + 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# 14. Edits that nearly match
+# ----------------------------------------------------------------------------------------------
 # Small models copy old a little wrong: trailing spaces added or lost, the indentation of the
 # block they meant to quote, spaces where the file has tabs, curly quotes for straight ones.
 # Loose matching that ignores all whitespace has corrupted files elsewhere (a match in the
@@ -2095,117 +2319,43 @@ def tolerances(window, wanted, old_crlf, file_crlf, width, shift) -> str:
     return how
 
 
-def current_text(path, full) -> Optional[str]:
-    """The text of the file at full, or None if there is none; refused if binary or huge."""
-    if not os.path.lexists(full):
-        return None
-    if os.path.isdir(full):
-        raise ToolError("is_a_directory", f"{path!r} is a directory")
-    if not os.path.isfile(full):
-        raise ToolError("not_a_regular_file", f"{path!r} is a FIFO, socket or device")
-    with open(full, "rb") as f:
-        data = f.read(EDIT_CAP + 1)
-    if len(data) > EDIT_CAP:
-        raise ToolError("too_large", f"{path!r} is over {human_size(EDIT_CAP)}; change it with "
-                        f"run_shell (sed, a script) instead")
-    if is_binary(data[:SNIFF]):
-        raise ToolError("binary_file", f"{path!r} is a binary file; it can only be changed "
-                        f"with run_shell")
-    return data.decode("utf-8", "surrogateescape")   # subtle: bytes not in UTF-8 survive
-
-
-def encoded(text) -> bytes:
-    """text as the bytes to write: UTF-8, with any bytes read from the file given back."""
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError as e:
-        raise ToolError("bad_content", f"the new text holds a character that cannot be "
-                        f"written as UTF-8 ({e.reason} at {e.start})") from None
-
-
-def plan_write(root, path, full, before, after, result) -> Plan:
-    """A Plan to replace the text before (None: no file) with after, shown as a diff whose
-    headers name the file that will be written, as the sandbox resolved it."""
-    name = relative(root, full)
-    diff = "".join(difflib.unified_diff(
-        diff_lines(before or ""), diff_lines(after), "/dev/null" if before is None else
-        f"a/{name}", f"b/{name}")).rstrip("\n")
-
-    def carry_out():
-        """Write after, unless the path or the file changed while the user looked at the diff."""
-        if resolve(root, path) != full or current_text(path, full) != before:
-            raise ToolError("changed_meanwhile", f"{path!r} changed while this change waited "
-                            f"for approval, so it was not made; look at it again")
-        write_text(full, after)
-        return result
-    return Plan(diff or f"(no change to {name})", carry_out, subject=name)
-
-
-def diff_lines(text) -> list:
-    """text as lines for a diff, line endings kept, so a changed \\r\\n or last newline shows."""
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n\\ No newline at end of file\n"
-    return lines
-
-
-def write_text(full, text):
-    """Write text to full by way of a temporary file and a rename, keeping the file's mode."""
-    folder = os.path.dirname(full)
-    os.makedirs(folder, exist_ok=True)
-    # subtle: mkstemp makes a file only we can read; a new file gets what the umask allows
-    mode = stat.S_IMODE(os.stat(full).st_mode) if os.path.exists(full) else 0o666 & ~umask()
-    fd, temporary = tempfile.mkstemp(dir=folder, prefix=".agent-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(encoded(text))
-        os.chmod(temporary, mode)
-        os.replace(temporary, full)   # a crash leaves the old file or the new, never half
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
-def umask() -> int:
-    """The process's umask: the permissions new files are made without."""
-    mask = os.umask(0o077)   # the only way to read it is to set it, and at once set it back
-    os.umask(mask)
-    return mask
-
-
-def numbered(text, first, last) -> str:
-    """Lines first..last (1-based) of text, numbered as read_file numbers them."""
-    lines = text.split("\n")
-    if lines[-1] == "":   # the text ends with a newline: no line after it
-        lines.pop()
-    return "\n".join(f"{n:6}\t{lines[n - 1]}" for n in range(max(first, 1),
-                                                            min(last, len(lines)) + 1))
-
-
 # ----------------------------------------------------------------------------------------------
-# 14. Running commands: run_shell
+# 15. Running commands: run_shell
 # ----------------------------------------------------------------------------------------------
 # A command runs in the workspace with its stdin closed and its output going to a temporary
 # file, in a process group of its own, so that when it ends, times out or is interrupted,
-# everything it started can be found and killed: nothing it leaves behind outlives it.
+# everything it started can be found and killed: nothing it leaves behind outlives it. Where
+# the OS sandbox works (section 16), it runs inside it, unless the model asks, with a reason,
+# to run it outside, which the user is always asked about.
 
-def run_shell(cfg, command, timeout=SHELL_TIMEOUT):
-    """Plan to run a command in the workspace root, killed with all it started at timeout."""
+def run_shell(cfg, command, timeout=SHELL_TIMEOUT, outside_sandbox=None):
+    """Plan to run a command in the workspace root, killed with all it started at timeout: in
+    the sandbox if there is one (only reading, if the command only reads), or outside it."""
     if not command.strip() or "\0" in command:
         raise ToolError("bad_argument", "command is empty or holds a NUL character")
     if not 1 <= timeout <= SHELL_TIMEOUT_MAX:
         raise ToolError("bad_argument", f"timeout must be 1 to {SHELL_TIMEOUT_MAX} seconds, "
                         f"got {timeout}; split long work into shorter commands")
-    return Plan(f"$ {command}", lambda: run_command(cfg, command, timeout))
+    if outside_sandbox is not None and not outside_sandbox.strip():
+        raise ToolError("bad_argument", "outside_sandbox is empty: give the reason the command "
+                        "must run outside the sandbox, or leave it out")
+    outside = (outside_sandbox or "").strip()
+    sandbox = "" if outside or not cfg.bwrap else "read" if reads_only(command) else "write"
+    preview = f"$ {command}" + (f"\n# outside the sandbox, because: {outside}" if outside else "")
+    return Plan(preview, lambda: run_command(cfg, command, timeout, sandbox), command=command,
+                sandbox=sandbox, outside=outside)
 
 
-def run_command(cfg, command, timeout) -> str:
-    """Run command in a process group of its own, output to a file; when it ends, times out or
-    is interrupted, kill all it started, so nothing (`sleep 100 &`, a daemon) outlives it."""
+def run_command(cfg, command, timeout, sandbox="") -> str:
+    """Run command in a process group of its own, output to a file, in the sandbox if asked
+    ("read" or "write"); when it ends, times out or is interrupted, kill all it started, so
+    nothing (`sleep 100 &`, a daemon) outlives it."""
     adopt_orphans()
+    argv, env = ((sandboxed(cfg, command, sandbox), sandbox_environment(cfg.shell_env))
+                 if sandbox else ([cfg.shell, "-c", command], cfg.shell_env or None))
     with tempfile.TemporaryFile() as out:   # subtle: a pipe that nobody reads can fill and hang
         process = subprocess.Popen(
-            [cfg.shell, "-c", command], cwd=cfg.root, env=cfg.shell_env or None,
+            argv, cwd=cfg.root, env=env,
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
         born = start_time(process.pid)
@@ -2232,6 +2382,8 @@ def run_command(cfg, command, timeout) -> str:
         status = (f"{stopped}; the command and all it started were killed" if stopped else
                   f"killed by signal {-code}" if code < 0 else f"exit code {code}")
         output = head_and_tail(out)
+    if sandbox and code:   # what failed for the sandbox's sake says so, and what to do
+        output += sandbox_hint(output, sandbox)
     return f"{status}\n{output}" if output.strip() else f"{status} (no output)"
 
 
@@ -2354,7 +2506,120 @@ def stat_fields(pid) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Time limits and interruptions
+# 16. Commands in a sandbox of the OS: bubblewrap
+# ----------------------------------------------------------------------------------------------
+# The user's yes to a command is a yes to what it says, not to all it may do: an approved
+# `pytest` runs the repository's conftest.py, with the user's rights. So on Linux, where
+# bubblewrap (bwrap) is installed and a probe shows that it works (some containers forbid the
+# namespaces it needs), every command runs inside a sandbox: the whole file system read-only
+# but for the workspace (not its .git) and a private /tmp; well-known folders of secrets (and
+# the agent's own state) hidden; no network; a PID namespace of its own, so that the agent's
+# processes and their environment are out of sight and nothing outlives the command; no
+# capabilities and no variables that look like credentials. A command that only reads
+# (reads_only, section 25) gets the workspace read-only too. What needs more fails inside, its
+# result says why, and the model may ask to run it outside the sandbox, which the user is
+# always asked about. Elsewhere (macOS, Windows, no bwrap) commands run as before, approved.
+
+# Folders and files of the user's home that hold credentials: empty inside the sandbox.
+SECRETS = (".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".netrc",
+           ".git-credentials", ".npmrc", ".pypirc", ".config/gcloud", ".config/gh",
+           ".password-store", ".local/share/keyrings")
+# Variables whose names say they hold a credential: not passed into the sandbox.
+SECRET_NAME = re.compile(r"token|secret|passw|credential|api_?key|private_?key|access_?key|"
+                         r"auth", re.I)
+
+
+def sandboxed(cfg, command, level) -> list:
+    """The command line that runs command in bubblewrap: the workspace writable if level is
+    "write" (its .git not), read-only if "read"; nothing else writable but a private /tmp."""
+    root, bind = cfg.root, "--bind" if level == "write" else "--ro-bind"
+    # subtle: the order is the order of the mounts: /tmp first, then the workspace, which may
+    # lie inside it, then its .git and the secrets over it
+    argv = [cfg.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--tmpfs", "/tmp", "--tmpfs", "/run", bind, root, root]
+    git = os.path.join(root, ".git")
+    if level == "write" and os.path.lexists(git) and not os.path.islink(git):
+        argv += ["--ro-bind", git, git]
+    for hidden in [os.path.join(cfg.home, name) for name in SECRETS] + [cfg.state]:
+        if os.path.isdir(hidden) and not os.path.islink(hidden):   # unix sockets live in
+            argv += ["--tmpfs", hidden]                            # /run and /tmp: gone too
+        elif os.path.isfile(hidden) and not os.path.islink(hidden):
+            argv += ["--ro-bind", os.devnull, hidden]
+    # --unshare-all: a network, PIDs, IPC and host name of its own; --die-with-parent: killed
+    # with the agent; --new-session: no terminal to push keystrokes into; --cap-drop ALL: even
+    # run as root, it cannot remount what is read-only
+    return argv + ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                   "--chdir", root, "--", cfg.shell, "-c", command]
+
+
+def sandbox_environment(env) -> dict:
+    """The environment a sandboxed command gets: the user's, without anything like a secret."""
+    return {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
+
+
+# What the result of a command that failed in the sandbox adds, by what its output shows.
+READ_ONLY_SIGNS = re.compile(r"Read-only file system|EROFS")
+NETWORK_SIGNS = re.compile(r"Network is unreachable|Temporary failure in name resolution|"
+                           r"Could not resolve|Name or service not known|getaddrinfo|"
+                           r"ENETUNREACH|EAI_AGAIN|ENOTFOUND|nodename nor servname|"
+                           r"No address associated with hostname|Failed to establish a new "
+                           r"connection|Connection refused|unable to access 'http", re.I)
+
+
+def sandbox_hint(output, level) -> str:
+    """A line for the result of a command that failed, if the sandbox is the likely cause."""
+    if level == "read" and READ_ONLY_SIGNS.search(output):
+        return ("\n[sandbox: this command was taken to only read, so it ran unasked with the "
+                "workspace read-only, and it tried to write. Write it another way, or use "
+                "a command that is meant to change things.]")
+    what = ("read-only file system: the sandbox allows writes only in the workspace (not "
+            "its .git) and /tmp" if READ_ONLY_SIGNS.search(output) else
+            "no network: the sandbox allows none" if NETWORK_SIGNS.search(output) else "")
+    return (f"\n[sandbox: {what}. If the command must do this, call run_shell again with "
+            f"outside_sandbox saying why; the user will be asked.]" if what else "")
+
+
+def probe_sandbox(cfg) -> tuple:
+    """(bwrap, '') if bubblewrap runs a command here in the sandbox commands get; else ('',
+    why not), why being '' when there is no bwrap to try (not Linux, not installed)."""
+    found = shutil.which("bwrap", path=cfg.shell_env.get("PATH", os.defpath))
+    if not found or platform.system() != "Linux":
+        return "", ""
+    if cfg.root == os.path.dirname(cfg.root):
+        return "", "the workspace is /, and a sandbox around it would hold everything"
+    argv = sandboxed(dataclasses.replace(cfg, bwrap=found), "true", "write")
+    if tuple(argv) not in PROBED:   # once per process for each sandbox, however many sessions
+        try:
+            probe = subprocess.run(argv, cwd=cfg.root, capture_output=True, timeout=10,
+                                   stdin=subprocess.DEVNULL,
+                                   env=sandbox_environment(cfg.shell_env))
+            said = probe.stderr.decode("utf-8", "replace").strip().splitlines()
+            why = (said[-1] if said else f"exit code {probe.returncode}")[:200] \
+                if probe.returncode else ""
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)[:200]
+        PROBED[tuple(argv)] = why
+    return ("", PROBED[tuple(argv)]) if PROBED[tuple(argv)] else (found, "")
+
+
+PROBED = {}   # a sandbox's command line -> why it failed its probe ('' = it works)
+
+
+def sandbox_state(cfg) -> str:
+    """In words, whether commands run in the sandbox, and if not, why not."""
+    if cfg.bwrap:
+        return (f"sandbox on: commands run in {cfg.bwrap}, writing only in the workspace (not "
+                f".git) and a private /tmp, with no network and no secrets")
+    why = ("turned off (--no-sandbox, AGENT_SANDBOX=off)" if not cfg.sandbox else
+           "this session offers no commands" if cfg.read_only else
+           probe_sandbox(cfg)[1] or ("bwrap (bubblewrap) is not installed" if
+                                     platform.system() == "Linux" else
+                                     f"there is none for {platform.system() or 'this OS'}"))
+    return f"sandbox off: {why}; commands run as you, each asked about"
+
+
+# ----------------------------------------------------------------------------------------------
+# 17. Time limits and interruptions
 # ----------------------------------------------------------------------------------------------
 # No tool may run for ever, and a Ctrl+C must stop what is running without leaving a mess. A
 # tool gets TOOL_SECONDS; the work that tidies up after a Ctrl+C (killing what a command
@@ -2469,7 +2734,7 @@ TOOL_FUNCTIONS = {"list_dir": list_dir, "read_file": read_file, "search": search
 # text: here is what the endpoint does about each, without the loop knowing.
 
 # ----------------------------------------------------------------------------------------------
-# 16. Server errors: what may pass, and what to say about the rest
+# 18. Server errors: what may pass, and what to say about the rest
 # ----------------------------------------------------------------------------------------------
 # Servers fail in many shapes. What may pass (a 429, a 503, a dropped connection, a body that
 # is not JSON) becomes a Retry, which post_chat() waits out. What cannot (a 401, a full
@@ -2487,7 +2752,7 @@ class Retry(Exception):
 
 
 class ContextFull(Fatal):
-    """The server says the request does not fit the model's context (section 18 compacts)."""
+    """The server says the request does not fit the model's context (section 20 compacts)."""
 
     def __init__(self, message, n_ctx=0):
         """n_ctx: the context size in tokens, if the server said."""
@@ -2701,7 +2966,7 @@ def pick_model(session) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Streaming: a reply read as it is written
+# 19. Streaming: a reply read as it is written
 # ----------------------------------------------------------------------------------------------
 # With "stream": true the server sends the reply as server-sent events: lines "data: {chunk}",
 # a blank line after each event, and "data: [DONE]" at the end. Each chunk carries a delta: a
@@ -2847,7 +3112,7 @@ def merge_fragment(calls, fragment):
 
 
 # ----------------------------------------------------------------------------------------------
-# 18. Context: a transcript that never overflows
+# 20. Context: a transcript that never overflows
 # ----------------------------------------------------------------------------------------------
 # Every request carries the whole transcript, and a model can only read so much: its context.
 # Before each request the agent estimates the size (the server's own count of the last prompt,
@@ -3070,7 +3335,7 @@ def unpoint(kept, dropped):
 
 
 # ----------------------------------------------------------------------------------------------
-# 19. What small local models write: tool calls as text
+# 21. What small local models write: tool calls as text
 # ----------------------------------------------------------------------------------------------
 # A server whose parser misses a tool call (a chat template without tools, Ollama, a model that
 # strays from its format) hands the call over as plain text, and the loop would take it for
@@ -3097,7 +3362,7 @@ def text_calls(content, tools) -> tuple:
 # Where a call may begin: a tag, or a fence, object or list at the start of a line.
 TEXT_CALL = re.compile(r"<tool_call>|<function=|\[TOOL_CALLS\]|<\|python_tag\|>|^```|^[{\[]",
                        re.M)
-# How a reply that is a call written as text begins: the screen holds such text back (24).
+# How a reply that is a call written as text begins: the screen holds such text back (28).
 CALL_OPENINGS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "```json\n",
                  "```\n", "{", "[")
 # Words that make the text before a call an explanation of it, not an announcement.
@@ -3254,7 +3519,7 @@ def text_call_ok(schemas, name, arguments) -> bool:
 # sessions write each message as append() adds it. run_turn() is the same with or without them.
 
 # ----------------------------------------------------------------------------------------------
-# 20. MCP: tools from other programs
+# 22. MCP: tools from other programs
 # ----------------------------------------------------------------------------------------------
 # The Model Context Protocol lets any program offer tools. An MCP server here is a child
 # process spoken to over its stdin and stdout in JSON-RPC 2.0, one message per line: the
@@ -3646,7 +3911,7 @@ def expand(value, env):
 
 
 # ----------------------------------------------------------------------------------------------
-# 21. Sub-agents: a fresh loop for one task
+# 23. Sub-agents: a fresh loop for one task
 # ----------------------------------------------------------------------------------------------
 # A long search fills the conversation with tool results the main task will never need again.
 # The task tool hands such a piece of work to a helper: the same loop, a transcript of its own,
@@ -3695,7 +3960,7 @@ def run_task(session, description, prompt) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 22. Sessions that survive
+# 24. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
 # under the user's state directory, grouped by workspace. A crash loses at most the message
@@ -3754,9 +4019,18 @@ def start_saving(session):
 
 def sessions_dir(cfg) -> str:
     """The folder that holds this workspace's sessions."""
+    return os.path.join(cfg.state, "sessions", workspace_key(cfg))
+
+
+def workspace_key(cfg) -> str:
+    """The workspace as a folder name: the end of its path, readable, and a hash of all of it."""
     readable = re.sub(r"[^\w.-]+", "-", cfg.root).strip("-")[-60:]
-    return os.path.join(cfg.state, "sessions",
-                        f"{readable}-{hashlib.sha1(cfg.root.encode()).hexdigest()[:8]}")
+    return f"{readable}-{hashlib.sha1(cfg.root.encode()).hexdigest()[:8]}"
+
+
+def session_id(session) -> str:
+    """The id a saved session goes by (its file's name), or '' for one that is not saved."""
+    return os.path.basename(session.path)[:-len(".jsonl")] if session.path else ""
 
 
 def resume(session, wanted):
@@ -3769,6 +4043,7 @@ def resume(session, wanted):
     with open(found[0][1], encoding="utf-8", errors="replace") as f:
         messages = [m for m in map(json_line, f) if isinstance(m, dict)]
     session.messages[:] = repair(messages, session.system)
+    session.turns = sum(m["role"] == "user" for m in session.messages)
     session.call_ids.update(c["id"] for m in session.messages for c in m.get("tool_calls", []))
     session.path = found[0][1]
     save(session, whole=True)
@@ -3833,6 +4108,410 @@ def repair(messages, system) -> list:
     return fixed
 
 
+# ----------------------------------------------------------------------------------------------
+# 25. Fewer questions: modes and rules
+# ----------------------------------------------------------------------------------------------
+# A question for every command wears the user down until they answer yes without reading.
+# Three things let a change go ahead unasked, each still shown as it happens: --auto, under
+# which edits and sandboxed commands run (without a sandbox, edits only); a rule the user made
+# by answering [a]lways to a command, which allows the commands that start with the same words
+# ("npm test"), kept per workspace in the user's state folder, never in the repository, which
+# cannot grant itself anything; and, in the sandbox, a short list of commands that only read,
+# which run with the workspace read-only too. A command line is judged part by part (&&, ||,
+# ;, |): every part must be allowed. Command substitution, redirection to a file, sudo, and
+# whatever the parsing here cannot be sure of, always ask; so does leaving the sandbox. --yes
+# allows everything.
+
+READS_ONLY = {"ls", "cat", "head", "tail", "wc", "grep", "egrep", "fgrep", "rg", "pwd", "echo",
+              "printf", "file", "stat", "du", "df", "tree", "which", "basename", "dirname",
+              "realpath", "readlink", "nl", "cut", "tr", "diff", "cmp", "true", "false", "date",
+              "uname", "whoami", "id", "od", "hexdump", "strings", "md5sum", "sha1sum",
+              "sha256sum", "test", "["}
+GIT_READS = {"status", "diff", "log", "show"}
+EDITS = {"write_file", "edit_file"}
+PRIVILEGED = {"sudo", "doas", "su", "pkexec", "run0"}   # a rule never covers these
+INTERPRETERS = re.compile(r"python[0-9.]*|node|bash|sh|zsh|ruby|perl|php")
+# Programs whose next words say what they do ('npm run build', 'git commit'): a rule keeps them.
+SUBCOMMANDS = {"git", "npm", "pnpm", "yarn", "npx", "cargo", "go", "pip", "pip3", "poetry", "uv",
+               "make", "docker", "podman", "kubectl", "dotnet", "mvn", "gradle", "./gradlew",
+               "bundle", "rake", "mix", "deno", "bun", "brew", "apt", "apt-get", "conda", "just",
+               "tox", "nox", "hatch", "pdm", "rustup", "swift", "terraform", "helm", "gh",
+               "composer", "nix", "zig", "stack", "cabal", "dune", "opam", "sbt", "lein"}
+
+
+def unasked(session, name, plan) -> str:
+    """Why this change may go ahead without a question, in a few words; '' if it must ask."""
+    cfg = session.cfg
+    if cfg.yes:
+        return "--yes"
+    if plan.outside:                              # leaving the sandbox: always a question
+        return ""
+    if plan.command:
+        if plan.sandbox == "read":
+            return "it only reads, and runs in the sandbox"
+        if cfg.auto and plan.sandbox:
+            return "--auto, in the sandbox"
+        rule = matching_rules(session, plan.command, plan.sandbox)
+        return f"your rule for {rule}" if rule else ""
+    if name in EDITS and cfg.auto:
+        return "--auto"
+    return "you said always" if name in session.always else ""
+
+
+def reads_only(command) -> bool:
+    """True if every part of a command line is one of the commands that only read."""
+    parts = command_parts(command)
+    return bool(parts) and all(part_reads_only(words) for words in parts)
+
+
+def part_reads_only(words) -> bool:
+    """True if one simple command, as words, only reads: ls, cat, grep, git status, ..."""
+    if words[0] == "git":   # git's own options first (-C dir, --no-pager) stay a question
+        return len(words) > 1 and words[1] in GIT_READS
+    return words[0] in READS_ONLY
+
+
+def command_parts(command) -> Optional[list]:
+    """The simple commands of a command line, as lists of words, split at &&, ||, ;, | and |&;
+    None if any part does more than run a program with arguments: command substitution, a
+    redirection to a file, a subshell or group, a background job, a variable set first, sudo,
+    a comment or a line break."""
+    if re.search(r"[`#\n\r]|\$[({]|[<>]\(", command):
+        return None
+    # fds joined or sent to /dev/null write nothing anyone keeps: 2>&1, >/dev/null, &>/dev/null
+    plain = re.sub(r"(?<![^\s;&|])(?:[0-9]?>&[0-9]|(?:[0-9&]?>>?)\s*/dev/null)(?=[\s;&|]|$)",
+                   " ", command)
+    lexer = shlex.shlex(plain, posix=True, punctuation_chars=True)
+    lexer.commenters = ""
+    try:
+        tokens = list(lexer)
+    except ValueError:   # a quote left open
+        return None
+    parts, words = [], []
+    for token in tokens + [";"]:   # the last ';' ends the last part
+        if token in ("&&", "||", ";", "|", "|&"):
+            if words and ("=" in words[0] or words[0] in PRIVILEGED):
+                return None
+            if not words and token != ";":   # '&& ls', 'ls | | wc': not a plain line
+                return None
+            parts, words = parts + [words] * bool(words), []
+        elif token and set(token) <= set("();<>|&"):   # any other operator: <, >, (, &, ;;
+            return None
+        else:
+            words.append(token)
+    return parts or None
+
+
+def matching_rules(session, command, sandbox) -> str:
+    """The user's rules that allow every part of command, as `a`, `b`; '' unless all are.
+    In the sandbox, a part that only reads needs no rule."""
+    parts, rules = command_parts(command), load_rules(session)
+    if not parts or not rules:
+        return ""
+    used = []
+    for words in parts:
+        rule = next((r for r in rules if words[:len(r.split())] == r.split()), None)
+        if rule is None and not (sandbox and part_reads_only(words)):
+            return ""
+        used += [f"`{rule}`"] if rule and f"`{rule}`" not in used else []
+    return ", ".join(used)
+
+
+def rules_for(command) -> list:
+    """The rules [a]lways would add for command: for each part, its program, and the words
+    that say what it does if it takes any ('npm test', 'git commit', 'python3 -m pytest',
+    'python3 manage.py'); [] if some part can have none, so that [a]lways is not offered."""
+    rules = []
+    for words in command_parts(command) or [[]]:
+        if not words or words[0] in PRIVILEGED:
+            return []
+        prefix, rest = [words[0]], words[1:]
+        if INTERPRETERS.fullmatch(os.path.basename(words[0])):   # the script, or the module
+            if rest[:1] == ["-m"] and len(rest) > 1:
+                prefix, rest = prefix + rest[:2], rest[2:]
+            elif rest and not rest[0].startswith("-"):
+                prefix, rest = prefix + rest[:1], rest[1:]
+            else:                                # -c CODE, or a REPL: no rule can say
+                return []
+        while words[0] in SUBCOMMANDS and rest and len(prefix) < 3 and \
+                re.fullmatch(r"[a-z][a-z0-9_:-]*", rest[0]):
+            prefix, rest = prefix + rest[:1], rest[1:]
+        rule = shlex.join(prefix)
+        rules += [rule] if rule not in rules else []
+    return rules
+
+
+def load_rules(session) -> list:
+    """The user's command rules for this workspace, read once per session."""
+    if session.rules is None:
+        try:
+            with open(rules_file(session.cfg), encoding="utf-8") as f:
+                found = json.load(f).get("commands")
+            session.rules = [r for r in found if isinstance(r, str) and r.strip()] \
+                if isinstance(found, list) else []
+        except (OSError, ValueError, AttributeError):
+            session.rules = []
+    return session.rules
+
+
+def save_rules(session, rules):
+    """Keep these as the workspace's command rules, in the user's state folder."""
+    session.rules = rules
+    path = rules_file(session.cfg)
+    with private_file(path + ".new", "w") as f:
+        json.dump({"root": session.cfg.root, "commands": rules}, f, indent=1)
+    os.replace(path + ".new", path)
+
+
+def rules_file(cfg) -> str:
+    """Where this workspace's command rules are kept: the user's state folder, never the
+    workspace."""
+    return os.path.join(private_folder(cfg, "permissions"), workspace_key(cfg) + ".json")
+
+
+# ----------------------------------------------------------------------------------------------
+# 26. Checkpoints: every turn undoable
+# ----------------------------------------------------------------------------------------------
+# Before the first change of each turn (an edit, a write, a command that does more than read),
+# the workspace is snapshotted into a git repository of the agent's own in the user's state
+# folder: its GIT_DIR there, the workspace its work tree. The user's own .git is never touched
+# (git never reads or writes a path named .git inside a work tree: not its index, HEAD, refs,
+# stash or hooks), .gitignore is honoured, files over CHECKPOINT_FILE_CAP are left out, and a
+# folder that is no repository works as well. What commands change is covered as well as what
+# edits change, since the snapshot is of the files, not of the calls. /undo puts the workspace
+# back as it was before the last turn that changed it; /rewind lists the checkpoints and
+# restores one; --undo does the same from the shell. The transcript is still only appended
+# to: a note in it tells the model what was undone.
+
+CHECKPOINT_SECONDS = 5        # a snapshot that takes longer is given up, and checkpoints too
+RESTORE_SECONDS = 60          # what a restore may take
+CHECKPOINT_FILE_CAP = 10 << 20   # bytes; a bigger file is left out of the snapshots
+CHECKPOINTS = "refs/heads/checkpoints"   # the ref whose history is the checkpoints
+
+
+class CheckpointError(Exception):
+    """A snapshot or a restore could not be made: no git, too slow, or git failed."""
+
+
+def checkpoint(session):
+    """Before this turn's first change: snapshot the workspace (once a turn), so that /undo can
+    put it back. A snapshot that fails turns checkpoints off for the session, with one line."""
+    if not session.checkpoints or session.checkpointed == session.turns:
+        return
+    session.checkpointed = session.turns
+    question = next((m["content"] for m in reversed(session.messages) if m["role"] == "user"),
+                    "")
+    try:
+        snapshot(session.cfg, "turn", turn=session.turns, session=session_id(session),
+                 question=one_line(question, 80))
+    except CheckpointError as e:
+        session.checkpoints = False
+        session.say(f"(checkpoints off: {e}; /undo cannot put back what this session changes)",
+                    YELLOW)
+
+
+def snapshot(cfg, kind, **about) -> dict:
+    """Commit the workspace as it is to the shadow repository, as a checkpoint of this kind
+    ("turn": before a turn's first change; "undo": before a restore). Returns its record."""
+    git = shadow(cfg, CHECKPOINT_SECONDS)
+    tree = stage(cfg, git)
+    parent = git("rev-parse", "-q", "--verify", CHECKPOINTS, check=False).strip()
+    record = dict(kind=kind, time=round(time.time()), **about)
+    commit = git("commit-tree", tree, *(["-p", parent] if parent else []),
+                 "-m", json.dumps(record)).strip()
+    git("update-ref", CHECKPOINTS, commit)
+    return dict(record, commit=commit, tree=tree)
+
+
+def stage(cfg, git) -> str:
+    """Put the workspace as it is into the shadow index, big files left out; its tree's id."""
+    listed = git("ls-files", "-z", "--others", "--modified", "--exclude-standard")
+    big = []
+    for name in filter(None, set(listed.split("\0"))):
+        try:
+            info = os.lstat(os.path.join(cfg.root, name))
+        except OSError:   # gone since it was listed, or deleted: nothing to weigh
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_size > CHECKPOINT_FILE_CAP:
+            big.append(name)
+    exclude = os.path.join(git.folder, "info", "exclude")
+    with private_file(exclude, "w") as f:   # the user's own exclusions, and the big files
+        f.write(user_excludes(cfg.root) + "".join("/" + re.sub(r"([\\*?\[!# ])", r"\\\1", b)
+                                                + "\n" for b in sorted(big)))
+    if big:   # once small and kept, now big: kept no longer
+        git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--pathspec-from-file=-",
+            "--pathspec-file-nul", stdin="\0".join(big).encode("utf-8", "surrogateescape"))
+    git("add", "-A")
+    return git("write-tree").strip()
+
+
+def user_excludes(root) -> str:
+    """The lines of the workspace's own .git/info/exclude, which git status honours too."""
+    try:
+        with open(resolve(root, ".git/info/exclude"), encoding="utf-8", errors="replace") as f:
+            return f.read(1 << 16).rstrip("\n") + "\n"
+    except (ToolError, OSError):
+        return ""
+
+
+def shadow(cfg, seconds):
+    """A function that runs git on the shadow repository of this workspace, all its runs
+    together within seconds: git(*args, stdin=b"", check=True) -> its output."""
+    folder = private_folder(cfg, "checkpoints", workspace_key(cfg))
+    deadline = time.monotonic() + seconds
+    # subtle: the user's and the system's git config are not read (a filter, autocrlf or a
+    # hook there would change what is stored or restored), nor are the attributes of the
+    # workspace's .gitattributes, which info/attributes overrides: files go in byte for byte
+    env = dict({k: v for k, v in cfg.shell_env.items() if not k.startswith("GIT_")},
+               GIT_DIR=folder, GIT_WORK_TREE=cfg.root, GIT_CONFIG_NOSYSTEM="1",
+               GIT_CONFIG_GLOBAL=os.devnull, GIT_TERMINAL_PROMPT="0", LC_ALL="C",
+               GIT_AUTHOR_NAME="agent.py", GIT_AUTHOR_EMAIL="agent.py@localhost",
+               GIT_COMMITTER_NAME="agent.py", GIT_COMMITTER_EMAIL="agent.py@localhost")
+
+    def git(*args, stdin=b"", check=True) -> str:
+        """One git command on the shadow repository."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CheckpointError(f"a snapshot took over {seconds} s (a large workspace?)")
+        try:
+            done = subprocess.run(
+                ["git", "-c", "core.autocrlf=false", "-c", "core.fsmonitor=false", "-c",
+                 "core.hooksPath=" + os.devnull, "-c", "gc.auto=0", "-c", "core.quotePath=false",
+                 "-c", "advice.addEmbeddedRepo=false", *args], cwd=cfg.root, env=env,
+                input=stdin, capture_output=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            raise CheckpointError(f"a snapshot took over {seconds} s (a large workspace?)") \
+                from None
+        except OSError as e:
+            raise CheckpointError("git is not installed" if isinstance(e, FileNotFoundError)
+                                  else f"cannot run git: {e.strerror or e}") from None
+        if check and done.returncode:
+            said = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["?"]
+            raise CheckpointError(f"git {args[0]} failed: {said[-1][:200]}")
+        return done.stdout.decode("utf-8", "surrogateescape")
+    git.folder = folder
+    if not os.path.exists(os.path.join(folder, "HEAD")):   # a new shadow repository
+        git("init", "-q", "--template=")
+        os.makedirs(os.path.join(folder, "info"), exist_ok=True)
+        with private_file(os.path.join(folder, "info", "attributes"), "w") as f:
+            f.write("* -text -eol -filter -ident -working-tree-encoding\n")
+    return git
+
+
+def checkpoints_of(cfg, git) -> list:
+    """The checkpoints of this workspace, newest first: records with their commit and tree."""
+    if not git("rev-parse", "-q", "--verify", CHECKPOINTS, check=False).strip():
+        return []
+    found = []
+    for entry in git("log", "-z", "-n", "200", "--format=%H %T %B", CHECKPOINTS).split("\0"):
+        commit, _, rest = entry.strip().partition(" ")
+        tree, _, body = rest.partition(" ")
+        record = json_line(body)
+        if isinstance(record, dict):
+            found.append(dict(record, commit=commit, tree=tree))
+    return found
+
+
+def undo(cfg, confirm, wanted="", which=None) -> tuple:
+    """Put the workspace back as it was at checkpoint which, or else before the last turn of
+    the session with id wanted that changed it, once confirm(what will change) says yes.
+    Returns (the checkpoint, what was done in words): (None, '') if there is nothing to put
+    back, (the checkpoint, '') if the user said no."""
+    git = shadow(cfg, RESTORE_SECONDS)
+    now = stage(cfg, git)
+    if which is None:
+        which = next((c for c in checkpoints_of(cfg, git) if c.get("kind") == "turn" and
+                      c.get("session") == wanted and c["tree"] != now), None)
+    if which is None or which["tree"] == now:
+        return None, ""
+    if not confirm(git("diff", "--stat=100", "--no-renames", now, which["tree"]).rstrip()):
+        return which, ""
+    snapshot(cfg, "undo", session=wanted)   # what is undone can be put back in turn (/rewind)
+    changed = git("diff", "--name-status", "-z", "--no-renames", now, which["tree"]).split("\0")
+    git("read-tree", "-u", "--reset", which["tree"])   # rewrites, removes, brings back
+    words = {"A": "brought back", "D": "removed"}      # from now to then: A was deleted since
+    done = collections.defaultdict(list)
+    for status, name in zip(changed[::2], changed[1::2]):
+        done[words.get(status[:1], "restored")].append(name)
+    return which, "; ".join(f"{how} {', '.join(names[:8])}" + (f" and {len(names) - 8} more"
+                            if len(names) > 8 else "") for how, names in done.items())
+
+
+UNDONE = ("[agent] The user put the workspace back as it was before {}: {}. Files read or "
+          "changed since may no longer be as you saw them.")
+
+
+def put_back(session, wanted, which=None) -> str:
+    """/undo, /rewind N and --undo: show what will change, ask, restore. Returns the note for
+    the model ('' if nothing was put back), having told the user what happened."""
+    def show_and_ask(changes):
+        """The files that will change, as git --stat shows them, and the question."""
+        for row in changes.split("\n"):
+            show_whole(session, row)
+        return confirm(session, "Put these files back?")
+    try:
+        which, done = undo(session.cfg, show_and_ask, wanted, which)
+    except CheckpointError as e:
+        session.say(f"cannot undo: {e}", YELLOW)
+        return ""
+    if not done:
+        session.say("(nothing was changed)" if which else "(nothing to put back: no turn of "
+                    "this session has changed the workspace since its checkpoint)", DIM)
+        return ""
+    session.say(f"(put back: {done})", DIM)
+    when = (f"turn {which.get('turn')} ({which.get('question', '')!r})"
+            if which.get("kind") == "turn" else "an earlier undo")
+    return UNDONE.format(when, done)
+
+
+def undo_in_session(session, which):
+    """/undo or /rewind N in the REPL; the note of it joins the transcript, closed by a note of
+    the program's own, so that roles still alternate."""
+    note = put_back(session, session_id(session), which)
+    if note:
+        append(session, {"role": "user", "content": note})
+        append(session, {"role": "assistant", "content": "[noted]"})
+
+
+def undo_from_shell(cfg) -> int:
+    """--undo: put back the last turn of this workspace's latest session that changed it; the
+    note goes at the end of that session's file, for --continue."""
+    session = Session(cfg)
+    found = saved_sessions(cfg)
+    if not found:
+        session.say(f"agent: no saved session for {cfg.root}, so nothing to undo", YELLOW)
+        return 1
+    number, session.path = found[-1]
+    session.saved = sum(1 for _ in open(session.path, "rb"))
+    note = put_back(session, number)
+    if note:
+        with private_file(session.path, "a") as f:
+            for message in ({"role": "user", "content": note},
+                            {"role": "assistant", "content": "[noted]"}):
+                f.write(json.dumps(message) + "\n")
+    return 0 if note else 1
+
+
+def show_checkpoints(session, git) -> list:
+    """/rewind: the latest checkpoints, numbered, with the files changed after each."""
+    cfg = session.cfg
+    now, found = stage(cfg, git), checkpoints_of(cfg, git)[:20]
+    for number, point in enumerate(found, 1):
+        after = found[number - 2]["tree"] if number > 1 else now
+        names = [n for n in git("diff", "--name-only", "-z", point["tree"], after).split("\0")
+                 if n]
+        what = (f"turn {point.get('turn')}: {point.get('question', '')!r}"
+                if point.get("kind") == "turn" else "before a restore")
+        files = (f"{len(names)} file{'s' * (len(names) != 1)} changed after it: "
+                 f"{', '.join(names[:3])}{' …' * (len(names) > 3)}" if names else "nothing "
+                 "changed after it")
+        stamp = time.strftime("%m-%d %H:%M", time.localtime(point.get("time") or 0))
+        session.say(f"{number:3}. {stamp}  {what}; {files}")
+    if not found:
+        session.say("(no checkpoints yet for this workspace)", DIM)
+    return found
+
+
 # ==============================================================================================
 # PART V — THE PROGRAM AROUND IT
 # ==============================================================================================
@@ -3842,7 +4521,7 @@ def repair(messages, system) -> list:
 # line and an exit code.
 
 # ----------------------------------------------------------------------------------------------
-# 23. Configuration: flags, then the environment, then the defaults
+# 27. Configuration: flags, then the environment, then the defaults
 # ----------------------------------------------------------------------------------------------
 # Environment (a flag wins over its variable; the README has the same table):
 #     LLM_URL         OpenAI-compatible base URL         default http://127.0.0.1:8080/v1
@@ -3856,6 +4535,9 @@ def repair(messages, system) -> list:
 #     AGENT_YES       1: allow every change unasked      default 0
 #     AGENT_READ_ONLY 1: offer no tool that changes      default 0
 #     AGENT_TEXT_TOOLS 0: run no calls written as text   default 1
+#     AGENT_AUTO      1: edits, sandboxed commands unasked  default 0
+#     AGENT_SANDBOX   off: commands outside the OS sandbox  default on, where bwrap works
+#     AGENT_CHECKPOINTS 0: no snapshots for /undo          default 1
 #     MAX_TURNS       tool rounds per question           default 20
 #     NO_COLOR        set to anything: no colour
 #     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
@@ -3892,6 +4574,12 @@ class Config:
     output: str = "text"    # one-shot stdout: "text", "json" (one object), "jsonl" (events)
     trace: str = ""         # a file to add a JSON line to for every model and tool call
     text_tools: bool = True  # run tool calls a model wrote as text (AGENT_TEXT_TOOLS=0: don't)
+    sandbox: bool = True    # run commands in the OS sandbox where it works (--no-sandbox)
+    bwrap: str = ""         # bubblewrap, once a probe has shown it works ("" = no sandbox)
+    auto: bool = False      # edits and sandboxed commands run unasked (--auto, AGENT_AUTO=1)
+    checkpoints: bool = True  # snapshot the workspace before each turn's first change
+    undo: bool = False      # undo the last turn of the latest session, and exit (--undo)
+    home: str = ""          # the user's home folder, whose secrets the sandbox hides
 
 
 def load_config(argv=None, environ=None) -> Config:
@@ -3912,7 +4600,8 @@ def load_config(argv=None, environ=None) -> Config:
     root = os.path.realpath(pick(args.root, "AGENT_ROOT", default="."))
     if not os.path.isdir(root):
         raise UsageError(f"AGENT_ROOT must be a directory, got {root!r}")
-    state = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    home = env.get("HOME") or os.path.expanduser("~")
+    state = env.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")
     api_key = env.get("LLM_API_KEY") or env.get("OPENAI_API_KEY") or ""
     shell_env = {k: v for k, v in env.items()   # commands never see the API key
                  if k not in KEY_VARIABLES and v != (api_key or None)}
@@ -3948,6 +4637,12 @@ def load_config(argv=None, environ=None) -> Config:
         text_tools=env_flag(env.get("AGENT_TEXT_TOOLS", "1")),
         verbose=args.verbose,
         shell_env=shell_env,
+        sandbox=not args.no_sandbox and env.get("AGENT_SANDBOX", "on").strip().lower() not in
+        ("off", "0", "false", "no"),
+        auto=args.auto or env_flag(env.get("AGENT_AUTO")),
+        checkpoints=env_flag(env.get("AGENT_CHECKPOINTS", "1")),
+        undo=args.undo,
+        home=home,
     )
     if environ is None and api_key:   # this process's own environment, not a test's dict
         hide_key(api_key)
@@ -4006,6 +4701,12 @@ def parse_args(argv):
                    "server's, else 32768)")
     p.add_argument("--yes", action="store_true", help="allow every change and command without "
                    "asking (AGENT_YES=1)")
+    p.add_argument("--auto", action="store_true", help="edits and sandboxed commands run "
+                   "without asking, each shown as it runs (AGENT_AUTO=1)")
+    p.add_argument("--no-sandbox", action="store_true", help="run commands outside the OS "
+                   "sandbox, as the user (AGENT_SANDBOX=off)")
+    p.add_argument("--undo", action="store_true", help="put the workspace back as it was "
+                   "before the last turn of the latest session that changed it, and exit")
     p.add_argument("--read-only", action="store_true", help="offer no tool that changes "
                    "anything (AGENT_READ_ONLY=1)")
     p.add_argument("--no-stream", action="store_true", help="wait for whole replies instead "
@@ -4054,12 +4755,12 @@ def env_flag(value) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# 24. The screen: a reply as it streams in
+# 28. The screen: a reply as it streams in
 # ----------------------------------------------------------------------------------------------
 # While the model works, the user sees a clock; then its words on stdout and its reasoning,
 # dimmed, on stderr, as they arrive. A <think> block at the start of the text (left there by
 # servers that do not parse reasoning out) is shown as reasoning, and kept out of the answer.
-# Text that opens as a tool call written as text (section 19) is held back to the end of the
+# Text that opens as a tool call written as text (section 21) is held back to the end of the
 # reply, and shown then only if it was no call; one after a lead-in shows as it comes.
 
 # Styles for stderr: ANSI codes, used only when Config.color is set.
@@ -4165,7 +4866,7 @@ class Screen:
 
     def begin(self, text):
         """The text of the reply begins: show it, unless it may be a tool call written as text
-        (section 19), which is held back to the end and shown only if it is not one."""
+        (section 21), which is held back to the end and shown only if it is not one."""
         head, watch = text.lstrip(), self.session.cfg.text_tools
         if watch and any(head.startswith(opening) for opening in CALL_OPENINGS):
             self.mode, self.held = "call", text
@@ -4192,7 +4893,7 @@ class Screen:
 
 
 # ----------------------------------------------------------------------------------------------
-# 25. The terminal: one question, or a session
+# 29. The terminal: one question, or a session
 # ----------------------------------------------------------------------------------------------
 # One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
 # A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
@@ -4310,7 +5011,10 @@ def repl(session) -> int:
 REPL_HELP = """\
 Ask anything about the code in {root}, or ask for a change. Commands:
   /help       this text
-  /compact    summarise the conversation so far, to free context
+  /undo       put the workspace back as it was before the last turn that changed it
+  /rewind     list the checkpoints; /rewind N puts the workspace back to checkpoint N
+  /permissions  the rules that let commands run unasked; /permissions remove N
+  /sandbox    whether commands run in the OS sandbox
   /usage      tokens and seconds spent in this session
   /mcp        the MCP servers, their state and their tools
   /sessions   the saved sessions of this workspace (--resume ID goes on with one)
@@ -4322,7 +5026,40 @@ Ctrl+C stops the current request, tool or command; the conversation is kept."""
 
 def slash_command(session, line):
     """Carry out one of the REPL's slash commands."""
-    if line == "/help":
+    command, _, rest = line.partition(" ")
+    if command == "/undo" and not rest:
+        undo_in_session(session, None)
+    elif command == "/rewind":
+        try:
+            found = show_checkpoints(session, shadow(session.cfg, RESTORE_SECONDS)) \
+                if not rest.strip().isdigit() else []
+            if rest.strip().isdigit():
+                points = checkpoints_of(session.cfg, shadow(session.cfg, RESTORE_SECONDS))
+                number = int(rest)
+                if not 1 <= number <= min(len(points), 20):
+                    session.say(f"no checkpoint {number}; /rewind lists them", YELLOW)
+                else:
+                    undo_in_session(session, points[number - 1])
+            elif found:
+                session.say("(/rewind N puts the workspace back as it was at checkpoint N)", DIM)
+        except CheckpointError as e:
+            session.say(f"cannot list the checkpoints: {e}", YELLOW)
+    elif command == "/sandbox":
+        session.say(sandbox_state(session.cfg))
+    elif command == "/permissions":
+        rules, number = load_rules(session), rest.split()[-1] if rest.split() else ""
+        if rest.split()[:1] in (["remove"], ["rm"]) and number.isdigit() and \
+                1 <= int(number) <= len(rules):
+            gone = rules[int(number) - 1]
+            save_rules(session, [r for r in rules if r != gone])
+            session.say(f"(removed the rule for commands starting with {gone!r})", DIM)
+        elif rest:
+            session.say("/permissions lists the rules; /permissions remove N removes one", YELLOW)
+        for n, rule in enumerate(load_rules(session) if not rest else [], 1):
+            session.say(f"{n:3}. commands starting with {rule!r}")
+        if not rest and not rules:
+            session.say("(no rules: answering [a]lways to a command makes one)", DIM)
+    elif line == "/help":
         session.say(REPL_HELP.format(root=session.cfg.root))
     elif line == "/clear":
         session.messages[:] = [{"role": "system", "content": session.system}]
@@ -4355,7 +5092,7 @@ def slash_command(session, line):
 
 
 # ----------------------------------------------------------------------------------------------
-# 26. The demo: a scripted model
+# 30. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -4427,7 +5164,7 @@ def demo_model(root):
 
 
 # ----------------------------------------------------------------------------------------------
-# 27. main()
+# 31. main()
 # ----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -4442,6 +5179,8 @@ def main(argv=None) -> int:
         cfg = load_config(argv)
         if cfg.demo:
             return demo(cfg)
+        if cfg.undo:
+            return undo_from_shell(cfg)
         if cfg.tool:
             name, arguments = cfg.tool
             result = execute(cfg, name, arguments, tools_for(cfg, find_skills(cfg.root)))

@@ -754,21 +754,25 @@ class ApprovalTest(unittest.TestCase):
 
     def test_on_a_terminal_the_user_decides(self):
         """The diff is shown; ? shows the arguments, y applies, a reason refuses and reaches the
-        model, a(lways) stops asking for that tool."""
+        model; a(lways) to a command keeps a rule for commands starting with its first words,
+        in the user's state folder, which lets the next such command run unasked."""
+        state = tempfile.mkdtemp(dir=STATE)
+        self.addCleanup(os.unlink, os.path.join(WORK, "touched"))
         script = [calls(tool_call("write_file", path="a.txt", content="one\n")),
                   calls(tool_call("edit_file", path="a.txt", old="one", new="two")),
-                  calls(tool_call("run_shell", command="echo first")),
-                  calls(tool_call("run_shell", command="echo second")),
+                  calls(tool_call("run_shell", command="touch touched && echo first")),
+                  calls(tool_call("run_shell", command="touch -c touched | echo second")),
                   reply("all done")]
         with CannedServer(script) as server:
-            term = Terminal(server.url)
+            term = Terminal(server.url, XDG_STATE_HOME=state)
             term.expect("› ")
             term.type("go\n")
             for shows, keys in (("+one", ""), ("Allow write_file on a.txt?", "?\n"),
                                 ('"content": "one\\n"', ""),
                                 ("Allow write_file on a.txt?", "y\n"),
                                 ("+two", ""), ("Allow edit_file on a.txt?", "no, keep it\n"),
-                                ("$ echo first", ""), ("Allow run_shell?", "a\n"),
+                                ("$ touch touched && echo first", ""),
+                                ("[a]lways for commands starting with 'touch', 'echo'", "a\n"),
                                 ("all done", "/quit\n")):
                 term.expect(shows)
                 if keys:
@@ -779,9 +783,14 @@ class ApprovalTest(unittest.TestCase):
         self.assertEqual(results[1], "error: denied: the user did not allow this edit_file call. "
                          "Their reason: keep it. Do not repeat it; adjust your approach.")
         self.assertEqual(results[2:], ["exit code 0\nfirst\n", "exit code 0\nsecond\n"])
-        self.assertEqual(term.shown.count(b"Allow run_shell?"), 1)
+        self.assertEqual(term.shown.count(b"Allow run_shell"), 1)
+        self.assertIn(b"(runs unasked: your rule for `touch`, `echo`)", term.shown)
         with open(os.path.join(WORK, "a.txt")) as f:
             self.assertEqual(f.read(), "one\n")
+        rules, = [os.path.join(top, name) for top, _, names in os.walk(state) for name in names
+                  if top.endswith("permissions")]
+        with open(rules) as f:
+            self.assertEqual(json.load(f)["commands"], ["touch", "echo"])
 
 
 def screen_lines(shown):
@@ -809,7 +818,7 @@ class ScreenTrustTest(unittest.TestCase):
             term = Terminal(server.url, columns=80)
             term.expect("› ")
             term.type("go\n")
-            term.expect("Allow run_shell?")
+            term.expect("Allow run_shell")
             shown = term.shown
             term.type("n\n")
             term.expect("› ")
@@ -887,16 +896,16 @@ class ScreenTrustTest(unittest.TestCase):
                   calls(tool_call("run_shell", command="touch PWNED")),
                   reply("ok")]
         with CannedServer(script) as server:
-            term = Terminal(server.url)
+            term = Terminal(server.url, XDG_STATE_HOME=tempfile.mkdtemp(dir=STATE))
             term.expect("› ")
             term.type("go\n")
             time.sleep(0.1)
             term.type("a quick follow-up\n")   # typed while the model is still at work
-            term.expect("Allow run_shell?")
+            term.expect("Allow run_shell")
             time.sleep(0.2)
             self.assertFalse(os.path.exists(os.path.join(WORK, "PWNED")))
             term.type("yes please\n")
-            term.expect("Allow run_shell?")
+            term.expect("Allow run_shell")
             term.type("Always\n")
             term.expect("› ")
             term.type("/quit\n")
@@ -1681,7 +1690,7 @@ class SearchEdgesTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 13-14. Changing files, running commands
+# 13-15. Changing files, running commands
 # ----------------------------------------------------------------------------------------------
 
 class ChangingTest(unittest.TestCase):
@@ -1757,7 +1766,7 @@ class ChangingTest(unittest.TestCase):
             "edited"))
         self.assertEqual(self.read("w.txt"), b"caf\xe9\r\n1\r\n2\r\n")
 
-    # Near misses (agent.py, section 13): (file, old, new, the file after, words the result
+    # Near misses (agent.py, section 14): (file, old, new, the file after, words the result
     # must hold). Each fails on an edit_file that only matches exactly, but the CRLF one.
     NEAR_MISSES = [
         ("trailing spaces in old", b"def f():\n    return 1\n", "def f():  \n    return 1 ",
@@ -1959,6 +1968,28 @@ print("agent.py read: %d; key found in: %s" % (seen, found))
 '''
 
 
+def walk_up_for_the_key(test, *flags, folder):
+    """What a command that walks up its parents' environments for the API key finds, run by
+    agent.py with these flags; the script and the keys it looks for are kept in folder."""
+    folder = tempfile.mkdtemp(dir=folder)
+    test.addCleanup(shutil.rmtree, folder)
+    keys = ["sk-%032x" % random.getrandbits(128) for _ in range(2)]
+    with open(os.path.join(folder, "keys"), "w") as f:
+        f.write("\n".join(keys))
+    with open(os.path.join(folder, "walk.py"), "w") as f:
+        f.write(KEY_WALKER)
+    command = "%s %s %s %s" % (sys.executable, f.name, os.path.join(folder, "keys"), AGENT)
+    with CannedServer([calls(tool_call("run_shell", command=command)),
+                       reply("done")]) as server:
+        code, out, err = cli([*flags, "--yes", "q"], url=server.url,
+                             env={"LLM_API_KEY": keys[0], "OPENAI_API_KEY": keys[1]})
+        result = server.bodies()[-1]["messages"][-1]["content"]
+        authorization = [r["headers"].get("Authorization") for r in server.requests]
+    test.assertEqual((code, out), (0, "done\n"), err)
+    test.assertEqual(set(authorization), {"Bearer " + keys[0]})   # the server still gets it
+    return result
+
+
 @unittest.skipUnless(os.path.isdir("/proc/self"), "needs Linux's /proc")
 class ProcessTrustTest(unittest.TestCase):
 
@@ -1983,23 +2014,11 @@ class ProcessTrustTest(unittest.TestCase):
 
     def test_commands_cannot_read_the_key_from_their_parents(self):
         """The API key is in no parent's environment: a command walking up /proc reads every
-        one, agent.py's included, and finds neither LLM_API_KEY's nor OPENAI_API_KEY's."""
-        folder = tempfile.mkdtemp(dir=STATE)
-        keys = ["sk-%032x" % random.getrandbits(128) for _ in range(2)]
-        with open(os.path.join(folder, "keys"), "w") as f:
-            f.write("\n".join(keys))
-        with open(os.path.join(folder, "walk.py"), "w") as f:
-            f.write(KEY_WALKER)
-        command = "%s %s %s %s" % (sys.executable, f.name, os.path.join(folder, "keys"), AGENT)
-        with CannedServer([calls(tool_call("run_shell", command=command)),
-                           reply("done")]) as server:
-            code, out, err = cli(["--yes", "q"], url=server.url,
-                                 env={"LLM_API_KEY": keys[0], "OPENAI_API_KEY": keys[1]})
-            result = server.bodies()[-1]["messages"][-1]["content"]
-            authorization = [r["headers"].get("Authorization") for r in server.requests]
-        self.assertEqual((code, out), (0, "done\n"), err)
-        self.assertEqual(result, "exit code 0\nagent.py read: 1; key found in: []\n")
-        self.assertEqual(set(authorization), {"Bearer " + keys[0]})   # the server still gets it
+        one, agent.py's included, and finds neither LLM_API_KEY's nor OPENAI_API_KEY's (here
+        outside the OS sandbox, where it can see them; section 16 has it inside)."""
+        self.assertEqual(walk_up_for_the_key(self, "--no-sandbox", folder=STATE),
+                         "exit code 0\nagent.py read: 1; key found in: []\n")
+
 
     def test_a_chain_of_daemons_dies_to_its_end(self):
         """Daemons that start daemons, six deep, each in a session of its own, all die with
@@ -2107,7 +2126,169 @@ class ProcessTrustTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Time limits and interruptions
+# 16. Commands in a sandbox of the OS
+# ----------------------------------------------------------------------------------------------
+
+def sandboxed(test, root=None, **changes):
+    """CFG with the OS sandbox on (skipping the test where bubblewrap cannot run), for root."""
+    cfg = dataclasses.replace(CFG, root=root or WORK, **changes)
+    bwrap, why = agent.probe_sandbox(cfg)
+    if not bwrap:
+        test.skipTest("bubblewrap does not work here (%s); .ci/run installs it where it can"
+                      % (why or "not installed"))
+    return dataclasses.replace(cfg, bwrap=bwrap)
+
+
+def shell(cfg, command, **args):
+    """run_shell through the real executor, as the user made the call."""
+    return agent.execute(cfg, "run_shell", json.dumps(dict(command=command, **args)),
+                         agent.tools_for(cfg, {}))
+
+
+class OsSandboxTest(unittest.TestCase):
+    """A command the user approved can still do only what the sandbox lets it."""
+
+    def test_it_writes_only_in_the_workspace_and_its_tmp(self):
+        """Writes outside the workspace fail, and the result says why and what to do; the
+        workspace and /tmp can be written; /tmp is the command's own."""
+        cfg = sandboxed(self)
+        away = tempfile.mkdtemp(dir="/var/tmp")   # outside /tmp, which is private in there
+        self.addCleanup(shutil.rmtree, away)
+        result = shell(cfg, "echo in > made.txt; echo tmp > /tmp/t && cat /tmp/t; "
+                       "echo out > %s/escape.txt; echo out > %s/escape.txt"
+                       % (away, OUTSIDE))
+        self.addCleanup(os.unlink, os.path.join(WORK, "made.txt"))
+        self.assertTrue(os.path.exists(os.path.join(WORK, "made.txt")))
+        self.assertFalse(os.path.exists(os.path.join(away, "escape.txt")))
+        self.assertFalse(os.path.exists(os.path.join(OUTSIDE, "escape.txt")))
+        self.assertIn("tmp\n", result)
+        self.assertIn("Read-only file system", result)
+        self.assertIn("[sandbox: read-only file system: the sandbox allows writes only in the "
+                      "workspace (not its .git) and /tmp. If the command must do this, call "
+                      "run_shell again with outside_sandbox saying why", result)
+
+    def test_the_git_folder_is_read_only(self):
+        """A command can change the work tree but not .git: no hook can be planted there."""
+        repo = tempfile.mkdtemp(dir=WORK)
+        self.addCleanup(shutil.rmtree, repo)
+        subprocess.run(["git", "init", "-q", repo], check=True)
+        result = shell(sandboxed(self, repo), "echo x > file.txt; echo evil > "
+                       ".git/hooks/pre-commit; chmod +x .git/hooks/pre-commit; mv .git gone")
+        self.assertTrue(os.path.exists(os.path.join(repo, "file.txt")))
+        self.assertFalse(os.path.exists(os.path.join(repo, ".git", "hooks", "pre-commit")))
+        self.assertTrue(os.path.isdir(os.path.join(repo, ".git")), result)
+
+    def test_there_is_no_network(self):
+        """A server listening on this machine's 127.0.0.1 cannot be reached from inside, and
+        the result says that the sandbox has no network."""
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(listener.close)
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        result = shell(sandboxed(self), "%s -c 'import socket; socket.create_connection("
+                       "(\"127.0.0.1\", %d), 2)'" % (sys.executable, port))
+        with self.assertRaises(socket.timeout):
+            listener.accept()
+        self.assertIn("ConnectionRefusedError", result)
+        self.assertIn("[sandbox: no network: the sandbox allows none.", result)
+
+    def test_the_agents_environment_and_secrets_are_out_of_reach(self):
+        """Inside, the agent's processes cannot be seen (nor the key in their environment),
+        variables that look like credentials are gone, the home folder's secrets are empty,
+        and the command holds no capabilities, even when run as root."""
+        self.assertEqual(walk_up_for_the_key(self, folder=WORK),
+                         "exit code 0\nagent.py read: 0; key found in: []\n")
+        home = tempfile.mkdtemp(dir=WORK)
+        self.addCleanup(shutil.rmtree, home)
+        os.makedirs(os.path.join(home, ".ssh"))
+        for name in (".ssh/id_ed25519", ".netrc"):
+            with open(os.path.join(home, name), "w") as f:
+                f.write("SECRET-%s\n" % name)
+        cfg = sandboxed(self, home=home, shell_env=dict(CFG.shell_env, HOME=home,
+                                                        GITHUB_TOKEN="ghp_SECRET", PLAIN="ok"))
+        result = shell(cfg, "cat $HOME/.ssh/id_ed25519 $HOME/.netrc; env; grep CapEff "
+                       "/proc/self/status; cat /proc/%d/cmdline || echo not seen" % os.getpid())
+        self.assertNotIn("SECRET", result)
+        self.assertIn("not seen", result)   # this process, which started it, is not there
+        self.assertIn("PLAIN=ok", result)
+        self.assertRegex(result, r"CapEff:\s+0+\n")
+
+    def test_nothing_it_starts_outlives_it(self):
+        """A process that forks away over and over, each time in a session of its own, dies
+        with the command: the sandbox's PID namespace ends with it."""
+        marker = "runner-%08x" % random.getrandbits(32)
+        with open(os.path.join(WORK, marker + ".py"), "w") as f:
+            f.write("import os, time\nwhile True:\n    if os.fork():\n        os._exit(0)\n"
+                    "    os.setsid()\n    time.sleep(0.001)\n")
+        self.addCleanup(os.unlink, os.path.join(WORK, marker + ".py"))
+        result = shell(sandboxed(self), "%s %s.py & sleep 0.3; echo started"
+                       % (sys.executable, marker))
+        self.assertEqual(result, "exit code 0\nstarted\n")
+        time.sleep(0.2)
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                with open("/proc/%s/cmdline" % pid, "rb") as f:
+                    alive += [pid] if marker.encode() in f.read() else []
+        self.assertEqual(alive, [])
+
+    def test_the_model_is_told_and_may_ask_to_leave(self):
+        """run_shell's description says what the sandbox allows, and offers outside_sandbox;
+        an escalation shows its reason and is asked about, even with --auto: refused (no
+        terminal here), it changes nothing. --yes allows it, and it runs outside."""
+        sandboxed(self)
+        away = tempfile.mkdtemp(dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, away)
+        command = "touch %s/outside.txt" % away
+        for flags in ([], ["--auto"]):
+            run = run_agent([calls(tool_call("run_shell", command=command,
+                                             outside_sandbox="it writes a file in /var/tmp")),
+                             reply("ok")], "q", *flags)
+            schema, = [t["function"] for t in run.bodies[0]["tools"]
+                       if t["function"]["name"] == "run_shell"]
+            self.assertIn("It runs sandboxed: no network", schema["description"])
+            self.assertIn("outside_sandbox", schema["parameters"]["properties"])
+            self.assertIn("# outside the sandbox, because: it writes a file in /var/tmp",
+                          run.stderr)
+            self.assertTrue(run.session.messages[3]["content"].startswith("error: denied:"))
+            self.assertFalse(os.path.exists(os.path.join(away, "outside.txt")))
+        run = run_agent([calls(tool_call("run_shell", command=command, outside_sandbox="so")),
+                         reply("ok")], "q", "--yes")
+        self.assertEqual(run.session.messages[3]["content"], "exit code 0 (no output)")
+        self.assertTrue(os.path.exists(os.path.join(away, "outside.txt")))
+
+    def test_a_probe_that_fails_falls_back_with_one_line(self):
+        """Where bwrap is installed but cannot run (a container that forbids namespaces), one
+        line says so, run_shell has no outside_sandbox, and commands run as before; turned
+        off, there is no probe and no line, and -v says it is off."""
+        bin = tempfile.mkdtemp(dir=STATE)
+        with open(os.path.join(bin, "bwrap"), "w") as f:
+            f.write("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\n"
+                    "exit 1\n")
+        os.chmod(os.path.join(bin, "bwrap"), 0o755)
+        path = bin + os.pathsep + os.environ["PATH"]
+        for env, said in (({"PATH": path}, "(sandbox off: bwrap does not work here: bwrap: No "
+                                            "permissions to create new namespace; commands run "
+                                            "as you, each asked about)\n"),
+                          ({"PATH": path, "AGENT_SANDBOX": "off"}, "")):
+            script = [calls(tool_call("run_shell", command="echo $PATH")), reply("ok")]
+            with CannedServer(script) as server:
+                code, out, err = cli(["--yes", "q"], url=server.url, env=env)
+                schema, = [t["function"] for t in server.bodies()[0]["tools"]
+                           if t["function"]["name"] == "run_shell"]
+                result = server.bodies()[-1]["messages"][-1]["content"]
+            self.assertEqual((code, out), (0, "ok\n"))
+            self.assertEqual([line + "\n" for line in err.splitlines() if "sandbox" in line],
+                             [said] if said else [])
+            self.assertNotIn("outside_sandbox", schema["parameters"]["properties"])
+            self.assertEqual(result, "exit code 0\n%s\n" % path)
+        with CannedServer([reply("ok")]) as server:
+            err = cli(["-v", "--no-sandbox", "q"], url=server.url)[2]
+        self.assertIn("(sandbox off: turned off (--no-sandbox, AGENT_SANDBOX=off)", err)
+
+
+# ----------------------------------------------------------------------------------------------
+# 17. Time limits and interruptions
 # ----------------------------------------------------------------------------------------------
 
 class InterruptTest(unittest.TestCase):
@@ -2154,7 +2335,7 @@ class InterruptTest(unittest.TestCase):
 # Servers that fail, stream, lie, redirect, run out of context, and miss calls written as text.
 
 # ----------------------------------------------------------------------------------------------
-# 16. Server errors
+# 18. Server errors
 # ----------------------------------------------------------------------------------------------
 
 class Trickle:
@@ -2336,7 +2517,7 @@ class ServerTrustTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Streaming
+# 19. Streaming
 # ----------------------------------------------------------------------------------------------
 
 def sse(*events, done=True, crlf=False):
@@ -2551,7 +2732,7 @@ class StreamTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 18. Context
+# 20. Context
 # ----------------------------------------------------------------------------------------------
 
 class ContextTest(unittest.TestCase):
@@ -2743,7 +2924,7 @@ class ContextTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 19. What small local models write
+# 21. What small local models write
 # ----------------------------------------------------------------------------------------------
 
 def hermes(tool, **arguments):
@@ -2891,7 +3072,7 @@ class TextCallTest(unittest.TestCase):
 # MCP servers, sub-agents and saved sessions: the loop is the same with each.
 
 # ----------------------------------------------------------------------------------------------
-# 20. MCP
+# 22. MCP
 # ----------------------------------------------------------------------------------------------
 
 # A small MCP server, standard library only, for the tests: it speaks JSON-RPC on stdin and
@@ -3139,7 +3320,7 @@ class McpTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 21. Sub-agents
+# 23. Sub-agents
 # ----------------------------------------------------------------------------------------------
 
 class SubAgentTest(unittest.TestCase):
@@ -3171,7 +3352,7 @@ class SubAgentTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 22. Sessions that survive
+# 24. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 
 class SessionFileTest(unittest.TestCase):
@@ -3283,7 +3464,7 @@ class StateTrustTest(unittest.TestCase):
 # Settings, the command line, the terminal.
 
 # ----------------------------------------------------------------------------------------------
-# 23. Configuration
+# 27. Configuration
 # ----------------------------------------------------------------------------------------------
 
 class ConfigurationTest(unittest.TestCase):
@@ -3317,7 +3498,7 @@ class ConfigurationTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 25-27. The terminal, the demo, main()
+# 29-31. The terminal, the demo, main()
 # ----------------------------------------------------------------------------------------------
 
 class SourceTest(unittest.TestCase):
