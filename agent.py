@@ -4176,13 +4176,14 @@ def command_parts(command) -> Optional[list]:
     None if any part does more than run a program with arguments: command substitution, a
     redirection to a file, a subshell or group, a background job, a variable set first, sudo,
     a comment or a line break."""
-    if re.search(r"[`#\n\r]|\$[({]|[<>]\(", command):
-        return None
+    if re.search(r"[`#\n\r]|\$[({]|[<>]\(", command) or not command.isascii():
+        return None   # subtle: shlex would split a word at a letter it does not know
     # fds joined or sent to /dev/null write nothing anyone keeps: 2>&1, >/dev/null, &>/dev/null
     plain = re.sub(r"(?<![^\s;&|])(?:[0-9]?>&[0-9]|(?:[0-9&]?>>?)\s*/dev/null)(?=[\s;&|]|$)",
                    " ", command)
     lexer = shlex.shlex(plain, posix=True, punctuation_chars=True)
-    lexer.commenters = ""
+    lexer.commenters, lexer.wordchars = "", lexer.wordchars + "$%+,:@[]^{}!"   # one word, as
+                                                                             # the shell sees
     try:
         tokens = list(lexer)
     except ValueError:   # a quote left open
@@ -4315,8 +4316,13 @@ def snapshot(cfg, kind, **about) -> dict:
     ("turn": before a turn's first change; "undo": before a restore). Returns its record."""
     git = shadow(cfg, CHECKPOINT_SECONDS)
     tree = stage(cfg, git)
+    # what is there but not kept (ignored, or too big), so that no undo takes it for new
+    # since and removes it: git's own list, whole ignored folders as one 'name/'
+    unkept = git("ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory")
     parent = git("rev-parse", "-q", "--verify", CHECKPOINTS, check=False).strip()
-    record = dict(kind=kind, time=round(time.time()), **about)
+    record = dict(kind=kind, time=round(time.time()), **about,
+                  unkept=git("hash-object", "-w", "--stdin", stdin=unkept.encode(
+                      "utf-8", "surrogateescape")).strip())
     commit = git("commit-tree", tree, *(["-p", parent] if parent else []),
                  "-m", json.dumps(record)).strip()
     git("update-ref", CHECKPOINTS, commit)
@@ -4428,11 +4434,20 @@ def undo(cfg, confirm, wanted="", which=None) -> tuple:
         return which, ""
     snapshot(cfg, "undo", session=wanted)   # what is undone can be put back in turn (/rewind)
     changed = git("diff", "--name-status", "-z", "--no-renames", now, which["tree"]).split("\0")
+    # subtle: a file that is not in the checkpoint was not always new since: it may have been
+    # ignored then, or too big. Such a file is taken out of the index, so that it stays.
+    unkept = git("cat-file", "blob", which["unkept"]).split("\0") if which.get("unkept") else []
+    spared = [name for status, name in zip(changed[::2], changed[1::2]) if status == "D" and
+              any(name == u or u.endswith("/") and name.startswith(u) for u in unkept if u)]
+    if spared:
+        git("rm", "-q", "--cached", "--pathspec-from-file=-", "--pathspec-file-nul",
+            stdin="\0".join(spared).encode("utf-8", "surrogateescape"))
     git("read-tree", "-u", "--reset", which["tree"])   # rewrites, removes, brings back
     words = {"A": "brought back", "D": "removed"}      # from now to then: A was deleted since
     done = collections.defaultdict(list)
     for status, name in zip(changed[::2], changed[1::2]):
-        done[words.get(status[:1], "restored")].append(name)
+        done["left as it is" if name in spared else words.get(status[:1], "restored")].append(
+            name)
     return which, "; ".join(f"{how} {', '.join(names[:8])}" + (f" and {len(names) - 8} more"
                             if len(names) > 8 else "") for how, names in done.items())
 

@@ -250,9 +250,10 @@ CALL_NUMBERS = itertools.count(1)
 
 
 def config(url, *flags, **environ):
-    """A Config for the canned server at url, sandboxed to the test workspace."""
+    """A Config for the canned server at url, sandboxed to the test workspace, keeping what
+    it keeps (sessions, rules, checkpoints) in the test's state folder."""
     return agent.load_config(["--url", url, "--model", "canned-model", "--root", WORK,
-                              *flags], environ=environ)
+                              *flags], environ=dict({"XDG_STATE_HOME": STATE}, **environ))
 
 
 Run = collections.namedtuple("Run", "answer bodies session stderr")
@@ -322,7 +323,8 @@ def setUpModule():
     WORK, OUTSIDE, STATE = (os.path.join(top, d) for d in ("work", "outside", "state"))
     for d in (WORK, OUTSIDE, STATE, os.path.join(WORK, "src")):
         os.makedirs(d)
-    CFG = agent.load_config(["--root", WORK], {"PATH": os.environ["PATH"]})
+    CFG = agent.load_config(["--root", WORK], {"PATH": os.environ["PATH"],
+                                               "XDG_STATE_HOME": STATE})
     files = {
         "hello.py": "def greet(name):\n    return 'hello ' + name\n\nprint(greet('world'))\n",
         "src/app.py": "import hello\n\ndef main():\n    hello.greet('app')  # TODO: config\n",
@@ -1711,6 +1713,29 @@ class ChangingTest(unittest.TestCase):
         with open(os.path.join(self.dir, name), "rb") as f:
             return f.read()
 
+    def test_a_change_that_breaks_the_syntax_says_so(self):
+        """After a write or an edit, a .py, .json or .toml file that no longer parses gets the
+        error and its line in the result; one that was broken already gets nothing, and so do
+        a good change and a kind of file the standard library cannot read."""
+        source = self.path("app.py", b"def f():\n    return 1\n")
+        result = execute("edit_file", path=source, old="return 1", new="return (1")
+        self.assertIn("\nwarning: %s no longer parses: SyntaxError at line 2: '(' was never "
+                      "closed" % source, result)
+        self.assertTrue(result.endswith(". Fix it in your next call."), result)
+        quiet = execute("edit_file", path=source, old="return (1", new="return (2")   # broken
+        self.assertNotIn("warning", quiet)                                            # before
+        self.assertNotIn("warning", execute("write_file", path=source, content="x = 1\n"))
+        data = self.path("data.json", b'{"a": 1}\n')
+        self.assertIn("warning: %s no longer parses: invalid JSON at line 1, column 9" % data,
+                      execute("edit_file", path=data, old="1}", new="1,}"))
+        made = execute("write_file", path=self.path("new.py"), content="if x\n")
+        self.assertIn("does not parse: SyntaxError at line 1", made)
+        self.assertNotIn("warning", execute("write_file", path=self.path("x.yaml"),
+                                            content="a: [\n"))
+        if agent.tomllib:   # Python 3.11 and later read TOML
+            self.assertIn("invalid TOML", execute("write_file", path=self.path("p.toml"),
+                                                  content="a = \n"))
+
     def test_write_file_makes_directories_and_keeps_newlines(self):
         """write_file creates missing directories and writes the text as given, CRLF and all."""
         result = execute("write_file", path=self.path("new/deep/x.txt"), content="a\r\nb\n")
@@ -2694,7 +2719,8 @@ class StreamTest(unittest.TestCase):
                      delta(content=" world"), delta("stop"))
         with CannedServer([{"sse": pieces, "pause": 0.15}]) as server:
             env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "AGENT_"))}
-            env.update(LLM_URL=server.url, LLM_MODEL="m", AGENT_ROOT=WORK, NO_COLOR="1")
+            env.update(LLM_URL=server.url, LLM_MODEL="m", AGENT_ROOT=WORK, NO_COLOR="1",
+                       XDG_STATE_HOME=STATE)
             p = subprocess.Popen([sys.executable, AGENT, "hi"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
                                  start_new_session=True)
@@ -3456,6 +3482,359 @@ class StateTrustTest(unittest.TestCase):
             execute("write_file", path="masked.txt", content="y\n")
             self.assertEqual(os.stat(path).st_mode & 0o777, 0o640)
             os.unlink(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# 25. Fewer questions: modes and rules
+# ----------------------------------------------------------------------------------------------
+
+class ModesAndRulesTest(unittest.TestCase):
+    """What may go ahead unasked: --auto's share, the user's rules, and commands that only
+    read; everything else, and leaving the sandbox, is asked about."""
+
+    # A command line, and its simple commands as agent.py reads them (None: it always asks).
+    PARTS = [
+        ("npm test", [["npm", "test"]]),
+        ("npm test -- -x && git diff | head -5; ls", [["npm", "test", "--", "-x"],
+                                                        ["git", "diff"], ["head", "-5"],
+                                                        ["ls"]]),
+        ("grep 'a|b;c' src 2>&1 >/dev/null", [["grep", "a|b;c", "src"]]),
+        ("pytest -q 2>/dev/null || true", [["pytest", "-q"], ["true"]]),
+        ("ls;", [["ls"]]),
+        ("ls $HOME", [["ls", "$HOME"]]),
+        ("echo x > notes.txt", None),                  # a redirection to a file
+        ("cat < in.txt", None),
+        ("ls > /dev/null/../../etc/x", None),          # not /dev/null itself
+        ("echo $(rm -rf ~)", None),                    # command substitution
+        ("echo `id`", None),
+        ("diff <(ls a) <(ls b)", None),
+        ("sudo npm test", None),
+        ("npm test | sudo tee x", None),
+        ("X=1 npm test", None),                        # a variable set first
+        ("(cd src && make)", None),                    # a subshell
+        ("sleep 9 &", None),                           # a background job
+        ("ls\nrm -rf x", None),                        # a line break
+        ("ls # && rm", None),
+        ("ls && && rm", None),
+        ("echo 'unclosed", None),
+        ("", None),
+    ]
+
+    def test_a_command_line_is_read_part_by_part(self):
+        """&&, ||, ;, | and |& part a line; anything more than a program with arguments asks."""
+        for command, parts in self.PARTS:
+            with self.subTest(command=command):
+                self.assertEqual(agent.command_parts(command), parts)
+
+    def test_the_rules_a_command_would_make(self):
+        """[a]lways keeps a command's first words: the program, and the words that say what it
+        does where it takes any; nothing for sudo, or for code given on the command line."""
+        for command, rules in [("npm test -- --watch", ["npm test"]),
+                               ("npm run build", ["npm run build"]),
+                               ("git commit -m 'x'", ["git commit"]),
+                               ("touch a.txt b", ["touch"]),
+                               ("python3 -m pytest -x tests/", ["python3 -m pytest"]),
+                               ("python3 manage.py test", ["python3 manage.py"]),
+                               ("make test && ./run.sh --fast", ["make test", "./run.sh"]),
+                               ("python3 -c 'import os'", []), ("sudo make", []),
+                               ("echo x > f", [])]:
+            with self.subTest(command=command):
+                self.assertEqual(agent.rules_for(command), rules)
+
+    def test_rules_allow_a_command_only_part_by_part(self):
+        """A rule allows the commands that start with its words; every part must be allowed by
+        one (or, in the sandbox, only read); anything a rule cannot say still asks."""
+        session = agent.new_session(dataclasses.replace(CFG, bwrap=""))
+        session.rules = ["npm test", "make"]
+        allowed = {"npm test": True, "npm test -- -x": True, "make lint && npm test": True,
+                   "npm testing": False, "npm": False, "npm test && curl x | sh": False,
+                   "npm test > out.txt": False, "npm test $(rm -rf x)": False,
+                   "sudo make": False, "npm test | grep FAIL": False}
+        for command, expected in allowed.items():
+            with self.subTest(command=command):
+                self.assertEqual(bool(agent.matching_rules(session, command, "")), expected)
+        # in the sandbox, a part that only reads needs no rule of its own
+        self.assertTrue(agent.matching_rules(session, "npm test | grep FAIL", "write"))
+        self.assertFalse(agent.matching_rules(session, "npm test | wget x", "write"))
+
+    def test_the_repository_cannot_grant_itself_a_rule(self):
+        """Rules live in the user's state folder: files in the workspace that look like rules
+        or settings allow nothing, and with no terminal the command is refused."""
+        made = []
+        for name, text in ((".agents/permissions.json", '{"commands": ["touch"]}'),
+                           (".claude/settings.json",
+                            '{"permissions": {"allow": ["Bash(touch:*)"]}}'),
+                           (".agent-loop/permissions.json", '{"commands": ["touch"]}')):
+            path = os.path.join(WORK, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+            made.append(os.path.dirname(path))
+        for folder in made:
+            self.addCleanup(shutil.rmtree, folder, True)
+        run = run_agent([calls(tool_call("run_shell", command="touch granted")), reply("ok")])
+        self.assertTrue(run.session.messages[3]["content"].startswith("error: denied:"))
+        self.assertFalse(os.path.exists(os.path.join(WORK, "granted")))
+        self.assertTrue(agent.rules_file(run.session.cfg).startswith(STATE + os.sep))
+
+    def test_auto_runs_edits_and_sandboxed_commands_unasked(self):
+        """--auto: an edit and a sandboxed command run with no terminal to ask on, each shown
+        as it runs; an escalation is still refused. With no sandbox, only the edit runs."""
+        sandboxed(self)
+        self.addCleanup(lambda: [os.unlink(os.path.join(WORK, n)) for n in ("auto.txt", "ran")
+                                 if os.path.exists(os.path.join(WORK, n))])
+        script = [calls(tool_call("write_file", path="auto.txt", content="x\n")),
+                  calls(tool_call("run_shell", command="touch ran")),
+                  calls(tool_call("run_shell", command="touch ran2", outside_sandbox="why")),
+                  reply("ok")]
+        run = run_agent(script, "q", "--auto")
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertEqual(results[:2], ["created auto.txt: 1 lines, 2 B", "exit code 0 (no output)"])
+        self.assertTrue(results[2].startswith("error: denied:"))
+        self.assertIn("+++ b/auto.txt", run.stderr)
+        self.assertIn("$ touch ran\n  (runs unasked: --auto, in the sandbox)", run.stderr)
+        os.unlink(os.path.join(WORK, "auto.txt"))
+        os.unlink(os.path.join(WORK, "ran"))
+        run = run_agent(script[:2] + [reply("ok")], "q", "--auto", "--no-sandbox")
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertEqual(results[0], "created auto.txt: 1 lines, 2 B")
+        self.assertTrue(results[1].startswith("error: denied:"))
+        self.assertFalse(os.path.exists(os.path.join(WORK, "ran")))
+
+    def test_commands_that_only_read_run_unasked_in_the_sandbox_and_cannot_write(self):
+        """In the sandbox, ls, cat, grep, git status and the like run without a question, with
+        the workspace read-only as well; a command that writes is asked about."""
+        sandboxed(self)
+        script = [calls(tool_call("run_shell", command="cat hello.py | wc -l && git status "
+                                  "2>/dev/null; ls src")),
+                  calls(tool_call("run_shell", command="echo x > written.txt")),
+                  reply("ok")]
+        run = run_agent(script)
+        results = [m["content"] for m in run.session.messages if m["role"] == "tool"]
+        self.assertTrue(results[0].startswith("exit code"), results[0])
+        self.assertIn("app.py", results[0])
+        self.assertIn("(runs unasked: it only reads, and runs in the sandbox)", run.stderr)
+        self.assertTrue(results[1].startswith("error: denied:"))
+        cfg = sandboxed(self)
+        plan = agent.run_shell(cfg, "cat hello.py | tee hello.py")   # tee is no reader: asks
+        self.assertEqual(plan.sandbox, "write")
+        result = agent.run_command(cfg, "ls; touch sneaky.txt", 10, "read")
+        self.assertFalse(os.path.exists(os.path.join(WORK, "sneaky.txt")))
+        self.assertIn("it tried to write", result)
+
+
+# ----------------------------------------------------------------------------------------------
+# 26. Checkpoints: every turn undoable
+# ----------------------------------------------------------------------------------------------
+
+def fingerprint(folder):
+    """Every file below folder and its bytes, as one hash: what changed in there, if anything."""
+    digest = hashlib.sha256()
+    for top, dirs, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            with open(os.path.join(top, name), "rb") as f:
+                digest.update(os.path.join(top, name).encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+def contents(folder):
+    """The files below folder, .git aside, as {relative path: text}."""
+    found = {}
+    for top, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        for name in files:
+            with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:
+                found[os.path.relpath(os.path.join(top, name), folder)] = f.read()
+    return found
+
+
+class CheckpointTest(unittest.TestCase):
+    """Before each turn's first change the workspace is snapshotted; /undo, /rewind and
+    --undo put it back, whatever made the change, and never touch the user's own .git."""
+
+    def workspace(self, git=True):
+        """A workspace of its own: a repository with a commit, an ignored file, a stash and a
+        hook (or a plain folder), so that its checkpoints are its own too."""
+        root = tempfile.mkdtemp(dir=STATE, prefix="ws-")
+        self.addCleanup(shutil.rmtree, root)
+        for name, text in {"a.txt": "one\n", "b.txt": "bee\n", ".gitignore": "*.log\n",
+                           "build.log": "old log\n"}.items():
+            with open(os.path.join(root, name), "w") as f:
+                f.write(text)
+        if git:
+            for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "first"],
+                            ["stash", "list"]):
+                subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *command],
+                               cwd=root, check=True, capture_output=True)
+            with open(os.path.join(root, ".git", "hooks", "pre-commit"), "w") as f:
+                f.write("#!/bin/sh\n")
+        return root
+
+    def change_everything(self, root, *flags):
+        """One turn that edits, writes, and has a command delete, create and change files."""
+        script = [calls(tool_call("edit_file", path="a.txt", old="one", new="two")),
+                  calls(tool_call("write_file", path="new.txt", content="new\n")),
+                  calls(tool_call("run_shell", command="rm b.txt && echo made > c.txt && "
+                                  "echo more >> a.txt && echo new log > build.log")),
+                  reply("changed")]
+        with CannedServer(script) as server:
+            session = agent.new_session(config(server.url, "--yes", "--root", root, *flags))
+            run_turn_quietly(session, "change everything")
+            run_turn_quietly(session, "and now?") if server.script else None
+        return session
+
+    def test_undo_puts_back_edits_and_what_commands_did(self):
+        """/undo restores a changed file, brings back a deleted one and removes new ones, made
+        by edits or by a command; the user's .git (index, HEAD, refs, stash, hooks) and what
+        .gitignore ignores are left alone; the model is told what was undone."""
+        root = self.workspace()
+        before, git_before = contents(root), fingerprint(os.path.join(root, ".git"))
+        session = self.change_everything(root)
+        self.assertEqual(set(contents(root)) - set(before), {"new.txt", "c.txt"})
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            agent.undo_in_session(session, None)
+        self.assertEqual(contents(root), dict(before, **{"build.log": "new log\n"}))
+        self.assertEqual(fingerprint(os.path.join(root, ".git")), git_before)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
+                                text=True).stdout
+        self.assertEqual(status, "")
+        self.assertIn("a.txt", err.getvalue())   # what will change was shown first
+        note, closing = session.messages[-2:]
+        self.assertTrue(note["content"].startswith(
+            "[agent] The user put the workspace back as it was before turn 1 ('change "
+            "everything'): "), note["content"])
+        self.assertIn("removed c.txt, new.txt", note["content"])
+        self.assertIn("brought back b.txt", note["content"])
+        self.assertEqual((note["role"], closing), ("user", {"role": "assistant",
+                                                             "content": "[noted]"}))
+        assert_valid(self, session.messages)
+        with contextlib.redirect_stderr(io.StringIO()) as err:   # nothing more to undo
+            agent.undo_in_session(session, None)
+        self.assertIn("nothing to put back", err.getvalue())
+
+    def test_undo_from_the_shell_in_a_folder_that_is_no_repository(self):
+        """--undo puts back the latest session's last changing turn, here in a plain folder,
+        and leaves a note at the end of that session for --continue."""
+        root = self.workspace(git=False)
+        before = contents(root)
+        script = [calls(tool_call("write_file", path="a.txt", content="rewritten\n"),
+                        tool_call("run_shell", command="rm b.txt; mkdir -p d && echo x > d/y")),
+                  reply("done")]
+        with CannedServer(script) as server:
+            code, _, err = cli(["--yes", "q"], url=server.url, env={"AGENT_ROOT": root})
+        self.assertEqual(code, 0, err)
+        self.assertNotEqual(contents(root), before)
+        code, out, err = cli(["--undo", "--yes"], env={"AGENT_ROOT": root})
+        self.assertEqual(code, 0, err)
+        self.assertEqual(contents(root), dict(before, **{"build.log": "old log\n"}))
+        self.assertFalse(os.path.exists(os.path.join(root, "d")))
+        self.assertIn("(put back: ", err)
+        saved, = [os.path.join(top, n) for top, _, names in os.walk(STATE) for n in names
+                  if n.endswith(".jsonl") and os.path.basename(root) in top]
+        with open(saved) as f:
+            last = [json.loads(line) for line in f][-2:]
+        self.assertTrue(last[0]["content"].startswith("[agent] The user put the workspace "
+                                                      "back"))
+        code, _, err = cli(["--undo", "--yes"], env={"AGENT_ROOT": root})
+        self.assertEqual(code, 1)
+        self.assertIn("nothing to put back", err)
+        code, _, err = cli(["--undo"], env={"AGENT_ROOT": root})   # no terminal, no --yes
+        self.assertEqual(code, 1)
+
+    def test_rewind_lists_the_checkpoints_and_restores_one(self):
+        """/rewind numbers the checkpoints, newest first, with the files changed after each;
+        /rewind N asks, showing what will change, and n keeps everything as it is."""
+        root = self.workspace()
+        before = contents(root)
+        script = [calls(tool_call("write_file", path="first.txt", content="1\n")),
+                  reply("one"),
+                  calls(tool_call("write_file", path="second.txt", content="2\n")), reply("two")]
+        with CannedServer(script) as server:
+            term = Terminal(server.url, "--auto", root=root)
+            for keys, shows in (("first\n", "one"), ("second\n", "two"), ("/rewind\n", "  2. "),
+                                ("/rewind 2\n", "Put these files back?"), ("n\n", "nothing was"),
+                                ("/rewind 2\n", "Put these files back?")):
+                term.expect("› ")
+                term.type(keys)
+                term.expect(shows)
+            term.type("y\n")
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+        listing = screen_lines(term.shown)
+        self.assertTrue(any(re.match(r"\s+1\. .*turn 2: 'second'; 1 file changed after it: "
+                                     r"second\.txt", line) for line in listing), listing)
+        self.assertTrue(any(re.match(r"\s+2\. .*turn 1: 'first'; 1 file changed after it: "
+                                     r"first\.txt", line) for line in listing), listing)
+        self.assertIn("second.txt | 1 -", term.shown.decode())
+        self.assertEqual(contents(root), before)
+
+    def test_big_files_are_left_out_and_bytes_come_back_exact(self):
+        """A file over the size cap is not snapshotted (nor restored); a file's bytes come back
+        exactly, whatever .gitattributes says about line endings or filters."""
+        root = self.workspace()
+        with open(os.path.join(root, ".gitattributes"), "w") as f:
+            f.write("* text eol=crlf\n*.txt filter=nothing\n")
+        with open(os.path.join(root, "lf.txt"), "wb") as f:
+            f.write(b"unix\nlines\n")
+        with open(os.path.join(root, "big.bin"), "wb") as f:
+            f.write(b"x" * 5000)
+        script = [calls(tool_call("run_shell", command="printf 'w' > lf.txt; printf y > "
+                                  "big.bin")), reply("ok")]
+        with unittest.mock.patch.object(agent, "CHECKPOINT_FILE_CAP", 4000):
+            with CannedServer(script) as server:
+                session = agent.new_session(config(server.url, "--yes", "--root", root))
+                run_turn_quietly(session, "q")
+            with contextlib.redirect_stderr(io.StringIO()):
+                agent.undo_in_session(session, None)
+        with open(os.path.join(root, "lf.txt"), "rb") as f:
+            self.assertEqual(f.read(), b"unix\nlines\n")
+        with open(os.path.join(root, "big.bin"), "rb") as f:
+            self.assertEqual(f.read(), b"y")   # too big to keep: as the command left it
+
+    def test_a_file_ignored_at_the_checkpoint_is_not_taken_for_new(self):
+        """A turn that stops ignoring a file (it edits .gitignore) is undone without removing
+        the file, which was there before the turn, only not kept."""
+        root = self.workspace()
+        script = [calls(tool_call("write_file", path=".gitignore", content="\n"),
+                        tool_call("write_file", path="made.txt", content="made\n")),
+                  reply("ok")]
+        with CannedServer(script) as server:
+            session = agent.new_session(config(server.url, "--yes", "--root", root))
+            run_turn_quietly(session, "q")
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            agent.undo_in_session(session, None)
+        self.assertEqual(contents(root)[".gitignore"], "*.log\n")
+        self.assertEqual(contents(root)["build.log"], "old log\n")
+        self.assertNotIn("made.txt", contents(root))
+        self.assertIn("left as it is build.log", err.getvalue())
+
+    def test_without_git_or_time_checkpoints_are_off_with_one_line(self):
+        """No git on PATH, or a snapshot slower than its limit: one line says checkpoints are
+        off, the changes still go ahead, and the line is not said again."""
+        root = self.workspace(git=False)
+        script = [calls(tool_call("write_file", path="x.txt", content="1\n")),
+                  calls(tool_call("write_file", path="y.txt", content="2\n")), reply("ok"),
+                  calls(tool_call("write_file", path="z.txt", content="3\n")), reply("ok")]
+        for patch, said in (({}, "(checkpoints off: git is not installed; "),
+                            ({"CHECKPOINT_SECONDS": 0}, "(checkpoints off: a snapshot took "
+                                                        "over 0 s")):
+            with unittest.mock.patch.multiple(agent, **patch) if patch else \
+                    contextlib.nullcontext():
+                with CannedServer(list(script)) as server:
+                    cfg = config(server.url, "--yes", "--root", root)
+                    if not patch:
+                        cfg.shell_env["PATH"] = os.path.dirname(sys.executable)
+                    session = agent.new_session(cfg)
+                    with contextlib.redirect_stderr(io.StringIO()) as err:
+                        agent.run_turn(session, "q")
+                        agent.run_turn(session, "again")
+            self.assertEqual(err.getvalue().count("checkpoints off"), 1, err.getvalue())
+            self.assertIn(said, err.getvalue())
+            self.assertTrue(all(os.path.exists(os.path.join(root, n)) for n in "xyz" and
+                                ("x.txt", "y.txt", "z.txt")))
+            for name in ("x.txt", "y.txt", "z.txt"):
+                os.unlink(os.path.join(root, name))
 
 
 # ==============================================================================================
