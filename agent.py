@@ -35,16 +35,18 @@ How to read it: Part I is the whole agent, the loop and the five pieces, in abou
 stop at its end and you have seen all of it. Parts II-V are how it survives real tools, real
 servers and real users. `grep -nE '^# (PART|[0-9])' agent.py` prints the contents:
     PART I    The agent                 1-9
-    PART II   The tools in full         10-15
-    PART III  Surviving real servers    16-19
-    PART IV   Extensions                20-22
-    PART V    The program around it     23-27
+    PART II   The tools in full         10-17
+    PART III  Surviving real servers    18-21
+    PART IV   Extensions                22-26
+    PART V    The program around it     27-31
 
 Run it:
     python3 agent.py --demo                          a scripted model walks the loop, offline
     python3 agent.py "where are retries handled?"    one question; the answer on stdout
     git diff | python3 agent.py "review this"        stdin is added to the question
     python3 agent.py                                 an interactive session (on a terminal)
+    python3 agent.py --auto "make the tests pass"    edits and sandboxed commands unasked
+    python3 agent.py --undo                          put back what the last turn changed
     python3 agent.py --tool search '{"pattern": "def main"}'    run one tool, no model
 LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 27 lists every setting.
 
@@ -57,8 +59,9 @@ Glossary:
     say, show, emit   the three ways out: a line for the user on stderr; the model's reply (or
                 a preview) as the user reads it; an event for scripts (--json, --jsonl, --trace)
 
-Left out on purpose: images in the conversation, MCP over HTTP, and any sandbox for commands
-beyond the user's approval (a command the user allows can do what the user can).
+Left out on purpose: images in the conversation, MCP over HTTP, and an OS sandbox for
+commands anywhere but Linux (there, bubblewrap; elsewhere a command the user allows can do
+what the user can).
 """
 from __future__ import annotations
 
@@ -107,7 +110,7 @@ try:
 except ImportError:  # Windows
     termios = None
 try:
-    import tomllib   # to check a .toml file after an edit
+    import tomllib   # novm (3.11+): to check a .toml file after an edit
 except ImportError:  # Python before 3.11
     tomllib = None
 
@@ -1286,8 +1289,9 @@ def unique_call_id(session, given) -> str:
 # Part I showed each tool as a name, a schema and a function that the executor calls. Here are
 # those functions, each tool's entry point first and then its engine: how to read the lines
 # that matter of a huge file, find files as git sees them, search a tree as fast as ripgrep,
-# change a file so that the user sees exactly what will change, and run a command so that
-# nothing it starts outlives it; then the time limits and interruptions they all live under.
+# change a file so that the user sees exactly what will change (even when the model copied it
+# a little wrong), and run a command so that nothing it starts outlives it, in a sandbox of the
+# OS where there is one; then the time limits and interruptions they all live under.
 
 # ----------------------------------------------------------------------------------------------
 # 10. Reading: list_dir, read_file, and the project's instructions
@@ -3515,8 +3519,10 @@ def text_call_ok(schemas, name, arguments) -> bool:
 # PART IV — EXTENSIONS
 # ==============================================================================================
 # Each extension adds to the session, never to the loop: MCP adds tools that other programs
-# serve, a sub-agent is a tool that runs the same loop on a transcript of its own, and saved
-# sessions write each message as append() adds it. run_turn() is the same with or without them.
+# serve, a sub-agent is a tool that runs the same loop on a transcript of its own, saved
+# sessions write each message as append() adds it, modes and rules answer some of approval's
+# questions in advance, and checkpoints snapshot the workspace before a turn's first change.
+# run_turn() is the same with or without them.
 
 # ----------------------------------------------------------------------------------------------
 # 22. MCP: tools from other programs
