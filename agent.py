@@ -871,13 +871,15 @@ def run_call(session, name, arguments, place=0) -> str:
                  round=session.usage["rounds"], place=place, result=result[:200])
     if changing and not result.startswith("error:"):
         session.changes += 1   # the workspace changed: the same call may now give news
+    prefix = "  → " if changing else f"⚙ {name}({shown_args}) → "
+    room = max(terminal_width() - len(session.indent) - len(prefix), 40)   # one row, uncut
     if result.startswith("error:"):
-        summary, style = one_line(result, 100), RED
+        summary, style = one_line(result, room), RED
     elif changing:
-        summary, style = one_line(result, 100), DIM   # "exit code 0 …", "edited x.py; …"
+        summary, style = one_line(result, room), DIM   # "exit code 0 …", "edited x.py; …"
     else:
         summary, style = f"{result.count(chr(10)) + 1} lines", DIM
-    session.say(("  → " if changing else f"⚙ {name}({shown_args}) → ") + summary, style)
+    session.say(prefix + summary, style)
     return result
 
 
@@ -2386,8 +2388,8 @@ def run_command(cfg, command, timeout, sandbox="") -> str:
         status = (f"{stopped}; the command and all it started were killed" if stopped else
                   f"killed by signal {-code}" if code < 0 else f"exit code {code}")
         output = head_and_tail(out)
-    if sandbox and code:   # what failed for the sandbox's sake says so, and what to do
-        output += sandbox_hint(output, sandbox)
+    if sandbox:   # what failed for the sandbox's sake says so, and what to do (subtle: even
+        output += sandbox_hint(output, sandbox)   # with exit code 0: `curl … | head` is 0
     return f"{status}\n{output}" if output.strip() else f"{status} (no output)"
 
 

@@ -2216,6 +2216,10 @@ class OsSandboxTest(unittest.TestCase):
             listener.accept()
         self.assertIn("ConnectionRefusedError", result)
         self.assertIn("[sandbox: no network: the sandbox allows none.", result)
+        piped = shell(sandboxed(self), "getent hosts example.com || echo 'Could not resolve "
+                      "host: example.com' | head -1")   # exit code 0, and still the sandbox's
+        self.assertTrue(piped.startswith("exit code 0\n"), piped)
+        self.assertIn("[sandbox: no network", piped)
 
     def test_the_agents_environment_and_secrets_are_out_of_reach(self):
         """Inside, the agent's processes cannot be seen (nor the key in their environment),
