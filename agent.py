@@ -89,6 +89,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -880,6 +881,9 @@ def run_call(session, name, arguments, place=0) -> str:
     else:
         summary, style = f"{result.count(chr(10)) + 1} lines", DIM
     session.say(prefix + summary, style)
+    for line in result.split("\n")[1:] if changing else []:   # what the user must see too:
+        if line.startswith("warning:"):                         # a file broken, a .git made
+            session.say("  " + line, YELLOW)
     return result
 
 
@@ -2357,13 +2361,18 @@ def run_command(cfg, command, timeout, sandbox="") -> str:
     ("read" or "write"); when it ends, times out or is interrupted, kill all it started, so
     nothing (`sleep 100 &`, a daemon) outlives it."""
     adopt_orphans()
-    argv, env = ((sandboxed(cfg, command, sandbox), sandbox_environment(cfg.shell_env))
+    seccomp = filter_pipe() if sandbox else None   # bwrap reads the filter from this pipe
+    gits = git_folders(cfg.root) if sandbox == "write" else []
+    argv, env = ((sandboxed(cfg, command, sandbox, seccomp), sandbox_environment(cfg.shell_env))
                  if sandbox else ([cfg.shell, "-c", command], cfg.shell_env or None))
     with tempfile.TemporaryFile() as out:   # subtle: a pipe that nobody reads can fill and hang
-        process = subprocess.Popen(
-            argv, cwd=cfg.root, env=env,
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        try:
+            process = subprocess.Popen(
+                argv, cwd=cfg.root, env=env, pass_fds=[seccomp] if seccomp else [],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        finally:
+            os.close(seccomp) if seccomp else None
         born = start_time(process.pid)
         deadline, stopped = time.monotonic() + timeout, ""
         try:
@@ -2390,6 +2399,7 @@ def run_command(cfg, command, timeout, sandbox="") -> str:
         output = head_and_tail(out)
     if sandbox:   # what failed for the sandbox's sake says so, and what to do (subtle: even
         output += sandbox_hint(output, sandbox)   # with exit code 0: `curl … | head` is 0
+        output += new_git_folders(gits, git_folders(cfg.root) if sandbox == "write" else [])
     return f"{status}\n{output}" if output.strip() else f"{status} (no output)"
 
 
@@ -2521,46 +2531,164 @@ def stat_fields(pid) -> list:
 # but for the workspace (not its .git) and a private /tmp; well-known folders of secrets (and
 # the agent's own state) hidden; no network; a PID namespace of its own, so that the agent's
 # processes and their environment are out of sight and nothing outlives the command; no
-# capabilities and no variables that look like credentials. A command that only reads
-# (reads_only, section 25) gets the workspace read-only too. What needs more fails inside, its
-# result says why, and the model may ask to run it outside the sandbox, which the user is
-# always asked about. Elsewhere (macOS, Windows, no bwrap) commands run as before, approved.
+# capabilities, no unix sockets (a docker.sock is root on the host), and no variables that
+# look like credentials. A command that only reads (reads_only, section 25) gets the workspace
+# read-only too. What needs more fails inside, its result says why, and the model may ask to
+# run it outside the sandbox, which the user is always asked about. Elsewhere (macOS, Windows,
+# no bwrap) commands run as before, approved.
 
-# Folders and files of the user's home that hold credentials: empty inside the sandbox.
-SECRETS = (".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".netrc",
-           ".git-credentials", ".npmrc", ".pypirc", ".config/gcloud", ".config/gh",
-           ".password-store", ".local/share/keyrings")
-# Variables whose names say they hold a credential: not passed into the sandbox.
+# Folders and files of the user's home that hold credentials or what was typed: empty inside.
+SECRETS = (".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".netrc", ".pgpass",
+           ".git-credentials", ".npmrc", ".pypirc", ".vault-token", ".terraform.d",
+           ".cargo/credentials", ".cargo/credentials.toml", ".config/git/credentials",
+           ".config/gcloud", ".config/gh", ".config/hub", ".config/rclone", ".config/op",
+           ".password-store", ".local/share/keyrings", ".mozilla", ".thunderbird",
+           ".config/google-chrome", ".config/chromium", ".bash_history", ".zsh_history",
+           ".python_history", ".psql_history", ".mysql_history", ".lesshst", ".colima", ".rd",
+           ".lima")
+# Variables whose names say they hold a credential, and values that carry a password in a URL
+# (postgres://user:pw@host): not passed into the sandbox.
 SECRET_NAME = re.compile(r"token|secret|passw|credential|api_?key|private_?key|access_?key|"
-                         r"auth", re.I)
+                         r"auth|cookie|(?:^|_)(?:key|pat)$", re.I)
+SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
+# How deep, and through how many folders, the sandbox looks for repositories in the workspace.
+GIT_DEPTH, GIT_FOLDERS = 4, 5_000
 
 
-def sandboxed(cfg, command, level) -> list:
+def sandboxed(cfg, command, level, seccomp=None) -> list:
     """The command line that runs command in bubblewrap: the workspace writable if level is
-    "write" (its .git not), read-only if "read"; nothing else writable but a private /tmp."""
+    "write" (its repositories' .git not), read-only if "read"; nothing else writable but a
+    private /tmp. seccomp: the file descriptor of the filter that refuses unix sockets."""
     root, bind = cfg.root, "--bind" if level == "write" else "--ro-bind"
     # subtle: the order is the order of the mounts: /tmp first, then the workspace, which may
-    # lie inside it, then its .git and the secrets over it
+    # lie inside it, then the .git folders and the secrets over it
     argv = [cfg.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--tmpfs", "/tmp", "--tmpfs", "/run", bind, root, root]
-    git = os.path.join(root, ".git")
-    if level == "write" and os.path.lexists(git) and not os.path.islink(git):
-        argv += ["--ro-bind", git, git]
-    for hidden in [os.path.join(cfg.home, name) for name in SECRETS] + [cfg.state]:
-        if os.path.isdir(hidden) and not os.path.islink(hidden):   # unix sockets live in
-            argv += ["--tmpfs", hidden]                            # /run and /tmp: gone too
-        elif os.path.isfile(hidden) and not os.path.islink(hidden):
+    for git in git_folders(root) if level == "write" else []:   # a planted hook or config
+        argv += ["--ro-bind", git, git]                             # would run outside later
+    for name in SECRETS:
+        hidden = os.path.realpath(os.path.join(cfg.home, name))   # a link's target, too
+        if os.path.isdir(hidden):
+            argv += ["--tmpfs", hidden]
+        elif os.path.isfile(hidden):
             argv += ["--ro-bind", os.devnull, hidden]
     # --unshare-all: a network, PIDs, IPC and host name of its own; --die-with-parent: killed
     # with the agent; --new-session: no terminal to push keystrokes into; --cap-drop ALL: even
     # run as root, it cannot remount what is read-only
-    return argv + ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                   "--chdir", root, "--", cfg.shell, "-c", command]
+    return argv + ["--tmpfs", cfg.state, "--unshare-all", "--die-with-parent", "--new-session",
+                   "--cap-drop", "ALL"] + (["--seccomp", str(seccomp)] if seccomp else []) + \
+        ["--chdir", root, "--", cfg.shell, "-c", command]
 
 
 def sandbox_environment(env) -> dict:
     """The environment a sandboxed command gets: the user's, without anything like a secret."""
-    return {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
+    return {k: v for k, v in env.items()
+            if not SECRET_NAME.search(k) and not SECRET_VALUE.search(v)}
+
+
+def git_folders(root) -> list:
+    """The real paths of the .git folders (and .git files) of the workspace and of the
+    repositories in it, GIT_DEPTH levels down at most, looking through GIT_FOLDERS folders
+    at most; a .git that is a link counts as where it leads, if that is in the workspace."""
+    found, level, looked = [], [root], 0
+    for _ in range(GIT_DEPTH + 1):
+        below = []
+        for folder in level:
+            looked += 1
+            try:
+                entries = list(os.scandir(folder)) if looked <= GIT_FOLDERS else []
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.name == ".git":   # a folder, a link to one, or a file naming one
+                    for real in {os.path.realpath(entry.path), git_dir_named(entry.path)}:
+                        found += [real] if real and inside(root, real) and \
+                            os.path.exists(real) else []
+                elif entry.is_dir(follow_symlinks=False) and entry.name not in BULKY:
+                    below.append(entry.path)
+        level = below
+    return sorted(set(found))
+
+
+BULKY = {"node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".cache"}
+
+
+def git_dir_named(path) -> str:
+    """The real path of the folder a .git file names ('gitdir: ../x'), or ''."""
+    try:
+        if not os.path.isfile(path) or os.path.islink(path):
+            return ""
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            line = f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+    named = line[len("gitdir:"):].strip() if line.startswith("gitdir:") else ""
+    return os.path.realpath(os.path.join(os.path.dirname(path), named)) if named else ""
+
+
+def new_git_folders(before, after) -> str:
+    """A warning for the result if a command made or moved a .git in the workspace: git would
+    run the hooks and settings in there outside the sandbox, the next time it is used."""
+    made = sorted(set(after) - set(before))
+    return (f"\nwarning: this command made {', '.join(made[:5])}: git runs the hooks and "
+            f"settings in there, outside the sandbox, whenever it is used in that folder. "
+            f"They were left as they are; look at them before you use git there." if made else
+            "")
+
+
+# The sandbox's one system-call filter: socket(AF_UNIX, ...) fails with EPERM, so that no
+# daemon's socket outside (docker.sock, an agent of the user's) can be reached; socketpair(),
+# which programs use to talk to their own children, still works. It is classic BPF, as the
+# kernel reads it, written out for the two machines most run on; elsewhere there is none.
+SOCKET_CALLS = {   # machine -> (audit arch, socket(), socketcall() or 0, first x32 call or 0)
+    "x86_64": [(0xC000003E, 41, 0, 0x40000000), (0x40000003, 359, 102, 0)],
+    "aarch64": [(0xC00000B7, 198, 0, 0), (0x40000028, 281, 0, 0)],
+}
+EPERM, AF_UNIX = 1, 1
+
+
+def filter_pipe() -> Optional[int]:
+    """The reading end of a pipe that holds the unix-socket filter, for bwrap --seccomp to read
+    (the caller closes it); None where there is no filter for this machine."""
+    program = unix_socket_filter()
+    if not program:
+        return None
+    read, write = os.pipe()
+    os.write(write, program)   # some hundred bytes: far less than a pipe holds
+    os.close(write)
+    return read
+
+
+@functools.lru_cache(maxsize=1)
+def unix_socket_filter() -> bytes:
+    """The seccomp program that refuses unix sockets, for this machine; b'' if there is none."""
+    code = [("ld", 4)]   # seccomp_data: nr at 0, arch at 4, args[0] (its low word) at 16
+    for i, (arch, socket_call, socketcall, x32) in enumerate(SOCKET_CALLS.get(
+            platform.machine(), [])):
+        code += [("jeq", arch, f"arch{i}", f"next{i}"), f"arch{i}", ("ld", 0)]
+        code += [("jge", x32, "deny", f"native{i}"), f"native{i}"] if x32 else []
+        code += [("jeq", socketcall, "deny", f"direct{i}"), f"direct{i}"] if socketcall else []
+        code += [("jeq", socket_call, f"socket{i}", "allow"), f"socket{i}", ("ld", 16),
+                 ("jeq", AF_UNIX, "deny", "allow"), f"next{i}"]
+    if len(code) == 1:
+        return b""
+    code += [("ret", 0x7FFF0000), "allow", ("ret", 0x7FFF0000), "deny",
+             ("ret", 0x00050000 | EPERM)]
+    where, n = {}, 0   # each label -> the place of the instruction after it
+    for item in code:
+        if isinstance(item, str):
+            where[item] = n
+        else:
+            n += 1
+    program, n = b"", 0
+    ops = {"ld": 0x20, "jeq": 0x15, "jge": 0x35, "ret": 0x06}
+    for item in code:
+        if isinstance(item, str):
+            continue
+        n += 1   # jumps count from the instruction after this one
+        jt, jf = (where[item[2]] - n, where[item[3]] - n) if len(item) > 2 else (0, 0)
+        program += struct.pack("=HBBI", ops[item[0]], jt, jf, item[1])
+    return program
 
 
 # What the result of a command that failed in the sandbox adds, by what its output shows.
@@ -2593,17 +2721,21 @@ def probe_sandbox(cfg) -> tuple:
         return "", ""
     if cfg.root == os.path.dirname(cfg.root):
         return "", "the workspace is /, and a sandbox around it would hold everything"
-    argv = sandboxed(dataclasses.replace(cfg, bwrap=found), "true", "write")
+    argv = sandboxed(dataclasses.replace(cfg, bwrap=found), "true", "write", 0)
     if tuple(argv) not in PROBED:   # once per process for each sandbox, however many sessions
+        seccomp = filter_pipe()
         try:
-            probe = subprocess.run(argv, cwd=cfg.root, capture_output=True, timeout=10,
-                                   stdin=subprocess.DEVNULL,
-                                   env=sandbox_environment(cfg.shell_env))
+            probe = subprocess.run(
+                sandboxed(dataclasses.replace(cfg, bwrap=found), "true", "write", seccomp),
+                cwd=cfg.root, capture_output=True, timeout=10, stdin=subprocess.DEVNULL,
+                env=sandbox_environment(cfg.shell_env), pass_fds=[seccomp] if seccomp else [])
             said = probe.stderr.decode("utf-8", "replace").strip().splitlines()
             why = (said[-1] if said else f"exit code {probe.returncode}")[:200] \
                 if probe.returncode else ""
         except (OSError, subprocess.SubprocessError) as e:
             why = str(e)[:200]
+        finally:
+            os.close(seccomp) if seccomp else None
         PROBED[tuple(argv)] = why
     return ("", PROBED[tuple(argv)]) if PROBED[tuple(argv)] else (found, "")
 
@@ -4159,7 +4291,7 @@ def unasked(session, name, plan) -> str:
             return "it only reads, and runs in the sandbox"
         if cfg.auto and plan.sandbox:
             return "--auto, in the sandbox"
-        rule = matching_rules(session, plan.command, plan.sandbox)
+        rule = matching_rules(session, plan.command)
         return f"your rule for {rule}" if rule else ""
     if name in EDITS and cfg.auto:
         return "--auto"
@@ -4173,10 +4305,17 @@ def reads_only(command) -> bool:
 
 
 def part_reads_only(words) -> bool:
-    """True if one simple command, as words, only reads: ls, cat, grep, git status, ..."""
-    if words[0] == "git":   # git's own options first (-C dir, --no-pager) stay a question
+    """True if one simple command, as words, only reads: ls, cat, grep, git status, ... and
+    none of the options by which a reader runs another program (rg --pre, git --ext-diff)."""
+    if any(RUNS_PROGRAMS.match(word) for word in words[1:]):
+        return False
+    if words[0] == "git":   # git's own options first (-C dir, -c key=value) stay a question
         return len(words) > 1 and words[1] in GIT_READS
     return words[0] in READS_ONLY
+
+
+RUNS_PROGRAMS = re.compile(r"--(pre|pre-glob|ext-diff|textconv|exec|upload-pack|"
+                           r"receive-pack|config-env)\b")
 
 
 def command_parts(command) -> Optional[list]:
@@ -4184,8 +4323,10 @@ def command_parts(command) -> Optional[list]:
     None if any part does more than run a program with arguments: command substitution, a
     redirection to a file, a subshell or group, a background job, a variable set first, sudo,
     a comment or a line break."""
-    if re.search(r"[`#\n\r]|\$[({]|[<>]\(", command) or not command.isascii():
-        return None   # subtle: shlex would split a word at a letter it does not know
+    # subtle: bash's $'…' and $"…" quote differently from shlex ($'\'' ends nothing), and
+    # shlex would split a word at a letter it does not know
+    if re.search(r"[`#\n\r]|\$[({'\"]|[<>]\(", command) or not command.isascii():
+        return None
     # fds joined or sent to /dev/null write nothing anyone keeps: 2>&1, >/dev/null, &>/dev/null
     plain = re.sub(r"(?<![^\s;&|])(?:[0-9]?>&[0-9]|(?:[0-9&]?>>?)\s*/dev/null)(?=[\s;&|]|$)",
                    " ", command)
@@ -4211,18 +4352,19 @@ def command_parts(command) -> Optional[list]:
     return parts or None
 
 
-def matching_rules(session, command, sandbox) -> str:
+def matching_rules(session, command) -> str:
     """The user's rules that allow every part of command, as `a`, `b`; '' unless all are.
-    In the sandbox, a part that only reads needs no rule."""
+    subtle: a part that only reads needs a rule too, unless the whole line does (it then runs
+    with the workspace read-only): `npm test; rg --pre=rm .` must not pass on npm's rule."""
     parts, rules = command_parts(command), load_rules(session)
     if not parts or not rules:
         return ""
     used = []
     for words in parts:
-        rule = next((r for r in rules if words[:len(r.split())] == r.split()), None)
-        if rule is None and not (sandbox and part_reads_only(words)):
+        rule = next((r for r in rules if words[:len(shlex.split(r))] == shlex.split(r)), None)
+        if rule is None:
             return ""
-        used += [f"`{rule}`"] if rule and f"`{rule}`" not in used else []
+        used += [f"`{rule}`"] if f"`{rule}`" not in used else []
     return ", ".join(used)
 
 
@@ -4313,17 +4455,18 @@ def checkpoint(session):
     try:
         snapshot(session.cfg, "turn", turn=session.turns, session=session_id(session),
                  question=one_line(question, 80))
-    except CheckpointError as e:
+    except Exception as e:   # CheckpointError, or a fault here: the change goes on, unkept
         session.checkpoints = False
-        session.say(f"(checkpoints off: {e}; /undo cannot put back what this session changes)",
-                    YELLOW)
+        why = e if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        session.say(f"(checkpoints off: {why}; /undo cannot put back what this session "
+                    f"changes)", YELLOW)
 
 
 def snapshot(cfg, kind, **about) -> dict:
     """Commit the workspace as it is to the shadow repository, as a checkpoint of this kind
     ("turn": before a turn's first change; "undo": before a restore). Returns its record."""
     git = shadow(cfg, CHECKPOINT_SECONDS)
-    tree = stage(cfg, git)
+    tree, _ = stage(cfg, git)
     # what is there but not kept (ignored, or too big), so that no undo takes it for new
     # since and removes it: git's own list, whole ignored folders as one 'name/'
     unkept = git("ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory")
@@ -4337,35 +4480,42 @@ def snapshot(cfg, kind, **about) -> dict:
     return dict(record, commit=commit, tree=tree)
 
 
-def stage(cfg, git) -> str:
-    """Put the workspace as it is into the shadow index, big files left out; its tree's id."""
+def stage(cfg, git) -> tuple:
+    """Put the workspace as it is into the shadow index, big files and repositories of their
+    own left out: (its tree's id, the repositories left out, as 'name/')."""
+    exclude = os.path.join(git.folder, "info", "exclude")
+    with private_file(exclude, "wb") as f:   # subtle: what was left out last time is weighed
+        f.write(user_excludes(cfg.root))      # again, so it is listed again: none of it here
     listed = git("ls-files", "-z", "--others", "--modified", "--exclude-standard")
-    big = []
-    for name in filter(None, set(listed.split("\0"))):
+    # a name ending in / is a repository inside the workspace (git stops at its .git): its
+    # files are its own, and one with no commit yet would make `git add` fail outright
+    left_out = [name for name in set(listed.split("\0")) if name.endswith("/")]
+    for name in filter(None, set(listed.split("\0")) - set(left_out)):
         try:
             info = os.lstat(os.path.join(cfg.root, name))
         except OSError:   # gone since it was listed, or deleted: nothing to weigh
             continue
         if stat.S_ISREG(info.st_mode) and info.st_size > CHECKPOINT_FILE_CAP:
-            big.append(name)
-    exclude = os.path.join(git.folder, "info", "exclude")
-    with private_file(exclude, "w") as f:   # the user's own exclusions, and the big files
-        f.write(user_excludes(cfg.root) + "".join("/" + re.sub(r"([\\*?\[!# ])", r"\\\1", b)
-                                                + "\n" for b in sorted(big)))
-    if big:   # once small and kept, now big: kept no longer
+            left_out.append(name)
+    with private_file(exclude, "wb") as f:   # the user's own exclusions, and what is left out
+        f.write(user_excludes(cfg.root) + b"".join(
+            b"/" + re.sub(rb"([\\*?\[!# ])", rb"\\\1", os.fsencode(name)) + b"\n"
+            for name in sorted(left_out)))
+    if left_out:   # once kept, now too big or a repository: kept no longer
         git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--pathspec-from-file=-",
-            "--pathspec-file-nul", stdin="\0".join(big).encode("utf-8", "surrogateescape"))
+            "--pathspec-file-nul", stdin=b"\0".join(os.fsencode(n.rstrip("/"))
+                                                    for n in left_out))
     git("add", "-A")
-    return git("write-tree").strip()
+    return git("write-tree").strip(), sorted(n for n in left_out if n.endswith("/"))
 
 
-def user_excludes(root) -> str:
+def user_excludes(root) -> bytes:
     """The lines of the workspace's own .git/info/exclude, which git status honours too."""
-    try:
-        with open(resolve(root, ".git/info/exclude"), encoding="utf-8", errors="replace") as f:
-            return f.read(1 << 16).rstrip("\n") + "\n"
+    try:   # subtle: regular_file(), for a FIFO put there would make a plain open() wait
+        with open(regular_file(root, ".git/info/exclude"), "rb") as f:
+            return f.read(1 << 16).rstrip(b"\n") + b"\n"
     except (ToolError, OSError):
-        return ""
+        return b""
 
 
 def shadow(cfg, seconds):
@@ -4432,13 +4582,17 @@ def undo(cfg, confirm, wanted="", which=None) -> tuple:
     Returns (the checkpoint, what was done in words): (None, '') if there is nothing to put
     back, (the checkpoint, '') if the user said no."""
     git = shadow(cfg, RESTORE_SECONDS)
-    now = stage(cfg, git)
+    now, repositories = stage(cfg, git)
     if which is None:
         which = next((c for c in checkpoints_of(cfg, git) if c.get("kind") == "turn" and
                       c.get("session") == wanted and c["tree"] != now), None)
     if which is None or which["tree"] == now:
         return None, ""
-    if not confirm(git("diff", "--stat=100", "--no-renames", now, which["tree"]).rstrip()):
+    changes = git("diff", "--stat=100", "--no-renames", now, which["tree"]).rstrip()
+    if repositories:   # say what is not covered, before the question
+        changes += (f"\n(not put back: {', '.join(repositories[:5])}, repositories of their "
+                    f"own, whose files the checkpoints leave to them)")
+    if not confirm(changes):
         return which, ""
     snapshot(cfg, "undo", session=wanted)   # what is undone can be put back in turn (/rewind)
     changed = git("diff", "--name-status", "-z", "--no-renames", now, which["tree"]).split("\0")
@@ -4518,7 +4672,7 @@ def undo_from_shell(cfg) -> int:
 def show_checkpoints(session, git) -> list:
     """/rewind: the latest checkpoints, numbered, with the files changed after each."""
     cfg = session.cfg
-    now, found = stage(cfg, git), checkpoints_of(cfg, git)[:20]
+    now, found = stage(cfg, git)[0], checkpoints_of(cfg, git)[:20]
     for number, point in enumerate(found, 1):
         after = found[number - 2]["tree"] if number > 1 else now
         names = [n for n in git("diff", "--name-only", "-z", point["tree"], after).split("\0")

@@ -2192,16 +2192,49 @@ class OsSandboxTest(unittest.TestCase):
                       "workspace (not its .git) and /tmp. If the command must do this, call "
                       "run_shell again with outside_sandbox saying why", result)
 
-    def test_the_git_folder_is_read_only(self):
-        """A command can change the work tree but not .git: no hook can be planted there."""
+    def test_the_git_folders_are_read_only(self):
+        """A command can change the work tree but not a .git: not the workspace's, not a
+        repository's inside it, not one a .git link leads to. A .git it makes is a warning,
+        in the result and to the user, since git would run what is in it outside."""
         repo = tempfile.mkdtemp(dir=WORK)
         self.addCleanup(shutil.rmtree, repo)
-        subprocess.run(["git", "init", "-q", repo], check=True)
-        result = shell(sandboxed(self, repo), "echo x > file.txt; echo evil > "
-                       ".git/hooks/pre-commit; chmod +x .git/hooks/pre-commit; mv .git gone")
+        for inner in ("", "vendor/lib"):
+            subprocess.run(["git", "init", "-q", os.path.join(repo, inner)], check=True)
+        os.makedirs(os.path.join(repo, "linked"))
+        subprocess.run(["git", "init", "-q", "--separate-git-dir",
+                        os.path.join(repo, ".realgit"), os.path.join(repo, "linked")],
+                       check=True, capture_output=True)
+        result = shell(sandboxed(self, repo), "echo x > file.txt; for g in .git vendor/lib/.git "
+                       ".realgit; do echo evil > $g/hooks/pre-commit; done; mv .git gone; "
+                       "git init -q planted")
         self.assertTrue(os.path.exists(os.path.join(repo, "file.txt")))
-        self.assertFalse(os.path.exists(os.path.join(repo, ".git", "hooks", "pre-commit")))
+        for git in (".git", "vendor/lib/.git", ".realgit"):
+            self.assertFalse(os.path.exists(os.path.join(repo, git, "hooks", "pre-commit")))
         self.assertTrue(os.path.isdir(os.path.join(repo, ".git")), result)
+        self.assertIn("\nwarning: this command made %s: git runs the hooks and settings in "
+                      "there, outside the sandbox" % os.path.join(repo, "planted", ".git"),
+                      result)
+
+    def test_no_unix_socket_outside_can_be_reached(self):
+        """A daemon's unix socket outside /run and /tmp (a docker.sock in the home folder) is
+        out of reach: socket(AF_UNIX) fails; a pipe between a program and its children works."""
+        cfg = sandboxed(self)
+        if not agent.unix_socket_filter():
+            self.skipTest("no socket filter for %s" % agent.platform.machine())
+        away = tempfile.mkdtemp(dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, away)
+        listener = socket.socket(socket.AF_UNIX)
+        self.addCleanup(listener.close)
+        listener.bind(os.path.join(away, "docker.sock"))
+        listener.listen(1)
+        listener.settimeout(0.3)
+        result = shell(cfg, "%s -c 'import socket, multiprocessing as m; a, b = m.Pipe(); "
+                       "a.send(7); print(\"pipe\", b.recv()); s = socket.socket(socket.AF_UNIX);"
+                       " s.connect(\"%s\")'" % (sys.executable, os.path.join(away, "docker.sock")))
+        with self.assertRaises(socket.timeout):
+            listener.accept()
+        self.assertIn("pipe 7", result)
+        self.assertIn("PermissionError: [Errno 1] Operation not permitted", result)
 
     def test_there_is_no_network(self):
         """A server listening on this machine's 127.0.0.1 cannot be reached from inside, and
@@ -2227,16 +2260,20 @@ class OsSandboxTest(unittest.TestCase):
         and the command holds no capabilities, even when run as root."""
         self.assertEqual(walk_up_for_the_key(self, folder=WORK),
                          "exit code 0\nagent.py read: 0; key found in: []\n")
-        home = tempfile.mkdtemp(dir=WORK)
+        home, elsewhere = tempfile.mkdtemp(dir=WORK), tempfile.mkdtemp(dir="/var/tmp")
         self.addCleanup(shutil.rmtree, home)
+        self.addCleanup(shutil.rmtree, elsewhere)
         os.makedirs(os.path.join(home, ".ssh"))
-        for name in (".ssh/id_ed25519", ".netrc"):
+        os.symlink(elsewhere, os.path.join(home, ".aws"))   # a secret folder kept elsewhere
+        for name in (".ssh/id_ed25519", ".netrc", ".aws/credentials"):
             with open(os.path.join(home, name), "w") as f:
                 f.write("SECRET-%s\n" % name)
-        cfg = sandboxed(self, home=home, shell_env=dict(CFG.shell_env, HOME=home,
-                                                        GITHUB_TOKEN="ghp_SECRET", PLAIN="ok"))
-        result = shell(cfg, "cat $HOME/.ssh/id_ed25519 $HOME/.netrc; env; grep CapEff "
-                       "/proc/self/status; cat /proc/%d/cmdline || echo not seen" % os.getpid())
+        cfg = sandboxed(self, home=home, shell_env=dict(
+            CFG.shell_env, HOME=home, GITHUB_TOKEN="SECRET", OPENAI_KEY="SECRET",
+            GITLAB_PAT="SECRET", DATABASE_URL="postgres://me:SECRET@db/x", PLAIN="ok"))
+        result = shell(cfg, "cat $HOME/.ssh/id_ed25519 $HOME/.netrc $HOME/.aws/credentials; env;"
+                       " grep CapEff /proc/self/status; cat /proc/%d/cmdline || echo not seen"
+                       % os.getpid())
         self.assertNotIn("SECRET", result)
         self.assertIn("not seen", result)   # this process, which started it, is not there
         self.assertIn("PLAIN=ok", result)
@@ -3512,6 +3549,8 @@ class ModesAndRulesTest(unittest.TestCase):
         ("echo $(rm -rf ~)", None),                    # command substitution
         ("echo `id`", None),
         ("diff <(ls a) <(ls b)", None),
+        ("npm test $'\\'$' ; touch x ; echo \\'", None),   # bash's $'…' quotes otherwise
+        ('echo $"x"', None),
         ("sudo npm test", None),
         ("npm test | sudo tee x", None),
         ("X=1 npm test", None),                        # a variable set first
@@ -3547,19 +3586,28 @@ class ModesAndRulesTest(unittest.TestCase):
 
     def test_rules_allow_a_command_only_part_by_part(self):
         """A rule allows the commands that start with its words; every part must be allowed by
-        one (or, in the sandbox, only read); anything a rule cannot say still asks."""
+        one, a part that only reads as well (it would run with the workspace writable);
+        anything a rule cannot say still asks."""
         session = agent.new_session(dataclasses.replace(CFG, bwrap=""))
-        session.rules = ["npm test", "make"]
+        session.rules = ["npm test", "make", "python3 -m pytest"]
         allowed = {"npm test": True, "npm test -- -x": True, "make lint && npm test": True,
+                   "python3 -m pytest -x": True, "python3 -m pip install x": False,
                    "npm testing": False, "npm": False, "npm test && curl x | sh": False,
                    "npm test > out.txt": False, "npm test $(rm -rf x)": False,
-                   "sudo make": False, "npm test | grep FAIL": False}
+                   "sudo make": False, "npm test | grep FAIL": False,
+                   "npm test; rg --pre=rm .": False, "npm test $'\\'$' ; rm x ; '": False}
         for command, expected in allowed.items():
             with self.subTest(command=command):
-                self.assertEqual(bool(agent.matching_rules(session, command, "")), expected)
-        # in the sandbox, a part that only reads needs no rule of its own
-        self.assertTrue(agent.matching_rules(session, "npm test | grep FAIL", "write"))
-        self.assertFalse(agent.matching_rules(session, "npm test | wget x", "write"))
+                self.assertEqual(bool(agent.matching_rules(session, command)), expected)
+
+    def test_a_reader_that_would_run_a_program_is_no_reader(self):
+        """rg --pre, git diff --ext-diff or --textconv run other programs: not read-only."""
+        for command, reads in (("rg TODO src", True), ("rg --pre python3 x .", False),
+                               ("rg --pre=rm -e x .", False), ("git log -5", True),
+                               ("git diff --ext-diff", False), ("git -c a=b log", False),
+                               ("git show --textconv HEAD", False), ("cat a | wc -l", True)):
+            with self.subTest(command=command):
+                self.assertEqual(agent.reads_only(command), reads)
 
     def test_the_repository_cannot_grant_itself_a_rule(self):
         """Rules live in the user's state folder: files in the workspace that look like rules
@@ -3812,6 +3860,33 @@ class CheckpointTest(unittest.TestCase):
         self.assertEqual(contents(root)["build.log"], "old log\n")
         self.assertNotIn("made.txt", contents(root))
         self.assertIn("left as it is build.log", err.getvalue())
+
+    def test_odd_workspaces_do_not_break_a_snapshot(self):
+        """A FIFO where .git/info/exclude should be, a big file whose name is not UTF-8, and a
+        repository with no commit inside the workspace: snapshots still work (that repository
+        left out, and said so when undoing) and nothing hangs."""
+        root = self.workspace(git=False)
+        os.makedirs(os.path.join(root, ".git", "info"))
+        os.mkfifo(os.path.join(root, ".git", "info", "exclude"))
+        with open(os.path.join(root.encode(), b"big\xff.bin"), "wb") as f:
+            f.write(b"x" * 5000)
+        subprocess.run(["git", "init", "-q", os.path.join(root, "empty")], check=True)
+        script = [calls(tool_call("write_file", path="a.txt", content="changed\n")), reply("ok")]
+        with unittest.mock.patch.object(agent, "CHECKPOINT_FILE_CAP", 4000):
+            with CannedServer(script) as server:
+                session = agent.new_session(config(server.url, "--yes", "--root", root))
+                with contextlib.redirect_stderr(io.StringIO()) as err:
+                    agent.run_turn(session, "q")
+                    agent.undo_in_session(session, None)
+        self.assertNotIn("checkpoints off", err.getvalue())
+        self.assertIn("(not put back: empty/, repositories of their own", err.getvalue())
+        self.assertEqual(contents(root)["a.txt"], "one\n")
+        self.assertTrue(os.path.exists(os.path.join(root.encode(), b"big\xff.bin")))
+        shadow = os.path.join(STATE, "agent-loop", "checkpoints",
+                              agent.workspace_key(session.cfg))
+        sizes = subprocess.run(["git", "--git-dir", shadow, "cat-file", "--batch-all-objects",
+                                "--batch-check=%(objectsize)"], capture_output=True, text=True)
+        self.assertNotIn("5000", sizes.stdout.split())   # the big file, in no snapshot at all
 
     def test_without_git_or_time_checkpoints_are_off_with_one_line(self):
         """No git on PATH, or a snapshot slower than its limit: one line says checkpoints are
