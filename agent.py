@@ -145,6 +145,7 @@ SHELL_TIMEOUT_MAX = 600  # seconds; a longer limit is refused
 SHELL_OUTPUT_MAX = 64 << 20  # bytes a command may write before it is stopped
 AGENTS_CAP = 32 << 10  # bytes of AGENTS.md added to the system prompt
 COMMAND_CAP = 32 << 10  # bytes of a custom slash command's file; a bigger one is not used
+MODEL_CAP = 100        # models that /model lists (all are counted)
 
 MCP_PROTOCOL = "2025-11-25"  # the MCP version asked for; a server may answer with an older one
 MCP_SECONDS = 30       # seconds an MCP server may take to start, or to answer one request
@@ -4545,8 +4546,9 @@ def show_checkpoints(session, git) -> list:
 # ==============================================================================================
 # The agent is Parts I-IV; a program needs more: settings read once from flags and the
 # environment, a screen that shows a reply as it streams in, a terminal for one question or a
-# whole session (with the habits users bring: their own slash commands and @files), a demo
-# that needs no server, and main(), which turns every failure into one line and an exit code.
+# whole session (with the habits users bring: their own slash commands, @files, /model), a
+# demo that needs no server, and main(), which turns every failure into one line and an exit
+# code.
 
 # ----------------------------------------------------------------------------------------------
 # 27. Configuration: flags, then the environment, then the defaults
@@ -5052,6 +5054,7 @@ REPL_HELP = """\
 Ask anything about the code in {root}, or ask for a change. @PATH attaches a file, or a
 folder's listing, to your message (Tab completes it). Commands:
   /help       this text
+  /model      the server's models; /model NAME uses that one from now on
   /undo       put the workspace back as it was before the last turn that changed it
   /rewind     list the checkpoints; /rewind N puts the workspace back to checkpoint N
   /permissions  the rules that let commands run unasked; /permissions remove N
@@ -5102,6 +5105,8 @@ def slash_command(session, line) -> Optional[str]:
             session.say(f"{n:3}. commands starting with {rule!r}")
         if not rest and not rules:
             session.say("(no rules: answering [a]lways to a command makes one)", DIM)
+    elif command == "/model":
+        model_command(session, rest.strip())
     elif line == "/help":
         session.say(REPL_HELP.format(root=session.cfg.root))
         show_commands(session)
@@ -5139,13 +5144,14 @@ def slash_command(session, line) -> Optional[str]:
 # ----------------------------------------------------------------------------------------------
 # 29b. Slash commands and @mentions
 # ----------------------------------------------------------------------------------------------
-# Two habits users bring from Claude Code, Gemini CLI, opencode and Codex. Neither adds to the
-# loop: each only shapes the user's message before run_turn() gets it.
+# Three habits users bring from Claude Code, Gemini CLI, opencode and Codex. None of them adds
+# to the loop: each only shapes the user's message before run_turn() gets it, or the request.
 #   - A custom slash command is a Markdown file, NAME.md, whose text becomes the message, with
 #     $ARGUMENTS (all that follows the command) and $1, $2 … (its words) filled in. So a command
 #     runs nothing by itself: what the model then calls is asked about as ever.
 #   - @PATH attaches what a path names: a file's numbered lines, as read_file shows them, or a
 #     folder's listing, as list_dir does, after the message and marked as the user's.
+#   - /model lists the server's models and switches to one for the rest of the session.
 
 # Where custom commands come from, in order of precedence: the user's own folder (Config.
 # commands), then the workspace's, .agents/ before .claude/ (as for skills); the first file of
@@ -5154,8 +5160,8 @@ def slash_command(session, line) -> Optional[str]:
 # prompts. A command file is the repository's: it is read as read_file would (inside the
 # workspace, a regular file, text), capped, and shown only made printable.
 COMMAND_DIRS = (".agents/commands", ".claude/commands")
-BUILT_IN = ("/help", "/undo", "/rewind", "/permissions", "/sandbox", "/usage", "/mcp", "/sessions",
-            "/compact", "/clear", "/quit", "/exit")
+BUILT_IN = ("/help", "/model", "/undo", "/rewind", "/permissions", "/sandbox", "/usage", "/mcp",
+            "/sessions", "/compact", "/clear", "/quit", "/exit")
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")   # a command's name, whole
 ARGUMENT = re.compile(r"\$(ARGUMENTS|[1-9][0-9]?)")           # $ARGUMENTS, $1 … $99
 
@@ -5375,6 +5381,61 @@ def completions(session, text, first) -> list:
         if len(found) == PATH_CAP:
             break
     return found
+
+
+def model_command(session, name):
+    """/model: the server's models, the one in use marked; /model NAME: use it from now on."""
+    cfg, current = session.cfg, pick_model(session)
+    models, why = server_models(cfg)
+    if not name:   # the list, capped, each name on one line and printable
+        for model in models[:MODEL_CAP]:
+            session.say(f"{'*' if model == current else ' '} {one_line(model, 100)}")
+        if len(models) > MODEL_CAP:
+            session.say(f"  … {len(models) - MODEL_CAP:,} more ({MODEL_CAP} of {len(models):,} "
+                        f"shown)", DIM)
+        if current not in models:
+            session.say(f"(in use: {one_line(current, 100)}" + (f"; the server lists no models: "
+                        f"{why})" if not models else ", which the server does not list)"), DIM)
+        session.say("(/model NAME uses that one from now on)", DIM)
+    # a name the server does not list would fail at the next question: refused now, unless
+    # the server lists none (llama-server answers to any name)
+    elif not shows_as_is(name) or len(name) > 200:
+        session.say("a model's name is one line of plain text; /model lists them", YELLOW)
+    elif models and name not in models:
+        session.say(f"the server has no model {name!r}; /model lists those it has", YELLOW)
+    elif name == current:
+        session.say(f"(already using {name})", DIM)
+    else:   # the next request asks for it: query() takes the model from cfg each round
+        cfg.model = name
+        # what was learned of the old model no longer holds: its context size, its tokens
+        if not cfg.context:
+            session.context_limit = 0
+        session.last_prompt, session.read_less = (0, 0), False
+        session.say(f"(now using {name}: the prompt prefix changes, so the server's cache "
+                    f"starts over once, and the next request reads the whole conversation)" +
+                    ("" if models else f" (not checked: the server lists no models: {why})"), DIM)
+
+
+def server_models(cfg):
+    """The model ids GET /models lists, in order, made safe to show; and, if none, why."""
+    # what the server sends is untrusted, and only a list to choose from: junk means no list,
+    # and the reason in a few words; ids that are no text are passed over
+    try:
+        status, _, raw = fetch(cfg, "GET", "/models", timeout=min(cfg.timeout, 10))
+    except PROBE_ERRORS as e:
+        return [], f"no answer ({one_line(redact(cfg, str(getattr(e, 'reason', e))), 80)})"
+    if status != 200:
+        return [], f"HTTP {status}"
+    try:
+        data = json.loads(raw) if len(raw) <= REPLY_CAP else None
+    except (ValueError, RecursionError):   # not JSON, or nested deeper than Python will go
+        return [], "its answer is not JSON"
+    entries = data.get("data") if isinstance(data, dict) else None   # {"data": [{"id"}, …]}
+    if not isinstance(entries, list):
+        return [], "its answer holds no list of models"
+    models = [redact(cfg, m["id"]) for m in entries[:10_000] if isinstance(m, dict) and
+              isinstance(m.get("id"), str) and m["id"].strip()]
+    return list(dict.fromkeys(models)), "its list holds no model ids" if not models else ""
 
 
 # ----------------------------------------------------------------------------------------------

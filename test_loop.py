@@ -4206,7 +4206,7 @@ class CustomCommandTest(unittest.TestCase):
         root = habits_root({".agents/commands/review.md": self.REVIEW,
                             ".claude/commands/fix.md": b"---\ndescription: \x1b[2JFix it\n---\n."})
         _, said = slash(habits_session(root, mine={"standup.md": b"What did I do?"}), "/help")
-        self.assertIn("  /undo       put the workspace back", said)
+        self.assertIn("  /model      the server's models", said)
         self.assertIn("  /review FILE [FOCUS]  Review a file for bugs  "
                       "(.agents/commands/review.md)\n", said)
         self.assertIn("  /fix                  \\x1b[2JFix it  (.claude/commands/fix.md)\n", said)
@@ -4246,7 +4246,8 @@ class CustomCommandTest(unittest.TestCase):
         session = habits_session(habits_root())
         for command in agent.BUILT_IN:
             if command not in ("/quit", "/exit"):   # the REPL leaves before slash_command
-                with unittest.mock.patch.object(agent, "compact", lambda *a: None):
+                with unittest.mock.patch.object(agent, "compact", lambda *a: None), \
+                        unittest.mock.patch.object(agent, "server_models", lambda cfg: ([], "")):
                     self.assertNotIn("unknown command", slash(session, command)[1], command)
             self.assertIn("  %s " % command.replace("/exit", "/quit"), agent.REPL_HELP)
 
@@ -4369,6 +4370,63 @@ class MentionTest(unittest.TestCase):
         self.assertTrue(sent.startswith("Explain @hello.py briefly.\n\nThe user attached these "
                                         "with @"), sent)
         self.assertIn("     1\tdef greet(name):\n", sent)
+
+
+class JunkModelsHandler(CannedHandler):
+    """Answers GET /v1/models with server.junk: bytes as they are, or a status."""
+
+    def do_GET(self):
+        junk = self.server.junk
+        self.send(junk, b"{}") if isinstance(junk, int) else self.send(200, junk)
+
+
+class ModelTest(unittest.TestCase):
+
+    def test_model_lists_the_servers_models_and_switches_for_the_rest_of_the_session(self):
+        """/model lists the server's models, the one in use marked and every name made
+        printable; /model NAME is the next request's model, and says the cache starts over;
+        a name the server does not list is refused."""
+        with CannedServer([reply("one"), reply("two")],
+                          models=("canned-model", "other", "\x1b]0;evil\x07")) as server:
+            session = habits_session(WORK, server.url)
+            _, said = slash(session, "/model")
+            self.assertEqual(said, "* canned-model\n  other\n  \\x1b]0;evil\\x07\n"
+                             "(/model NAME uses that one from now on)\n")
+            run_turn_quietly(session, "first")
+            message, said = slash(session, "/model other")
+            self.assertEqual(message, None)
+            self.assertIn("(now using other: the prompt prefix changes, so the server's cache "
+                          "starts over once", said)
+            self.assertEqual(said.count("\n"), 1)
+            self.assertIn("the server has no model 'nope'", slash(session, "/model nope")[1])
+            self.assertIn("(already using other)", slash(session, "/model other")[1])
+            self.assertIn("* other\n", slash(session, "/model")[1])
+            run_turn_quietly(session, "second")
+            self.assertEqual([b["model"] for b in server.bodies()], ["canned-model", "other"])
+            self.assertEqual(len(server.bodies()[1]["messages"]), 4)   # the same conversation
+
+    def test_a_server_whose_models_are_junk_is_told_in_one_line(self):
+        """Whatever GET /models sends (no JSON, no list, ids that are no text, a status, deep
+        nesting, a list of thousands), /model says so in a line or lists what it can, capped;
+        a switch then goes ahead unchecked."""
+        many = json.dumps({"data": [{"id": "m%d" % i} for i in range(5000)]}).encode()
+        for junk, says in ((b"<html>", "the server lists no models: its answer is not JSON"),
+                           (b'{"data": "all"}', "its answer holds no list of models"),
+                           (b'{"data": [1, null, {"id": 5}, {"id": " "}, []]}',
+                            "its list holds no model ids"),
+                           (b"[" * 100_000, "not JSON"), (503, "HTTP 503"), (many, "… 4,900 "
+                            "more (100 of 5,000 shown)")):
+            with self.subTest(junk=junk[:20] if isinstance(junk, bytes) else junk), \
+                    CannedServer([reply("ok")]) as server:
+                server.RequestHandlerClass, server.junk = JunkModelsHandler, junk
+                session = habits_session(WORK, server.url)
+                _, said = slash(session, "/model")
+                self.assertIn(says, said)
+                self.assertNotIn("Traceback", said)
+                self.assertLessEqual(len(said.splitlines()), agent.MODEL_CAP + 3)
+                slash(session, "/model m7" if junk is many else "/model mine")
+                run_turn_quietly(session, "q")
+                self.assertEqual(server.bodies()[0]["model"], "m7" if junk is many else "mine")
 
 
 # ----------------------------------------------------------------------------------------------
