@@ -45,6 +45,7 @@ Run it:
     python3 agent.py "where are retries handled?"    one question; the answer on stdout
     git diff | python3 agent.py "review this"        stdin is added to the question
     python3 agent.py                                 an interactive session (on a terminal)
+    python3 agent.py "what does @src/app.py do?"     @PATH attaches a file (or a folder)
     python3 agent.py --auto "make the tests pass"    edits and sandboxed commands unasked
     python3 agent.py --undo                          put back what the last turn changed
     python3 agent.py --tool search '{"pattern": "def main"}'    run one tool, no model
@@ -144,6 +145,8 @@ SHELL_TIMEOUT = 120    # seconds a command may run, unless the model asks for an
 SHELL_TIMEOUT_MAX = 600  # seconds; a longer limit is refused
 SHELL_OUTPUT_MAX = 64 << 20  # bytes a command may write before it is stopped
 AGENTS_CAP = 32 << 10  # bytes of AGENTS.md added to the system prompt
+COMMAND_CAP = 32 << 10  # bytes of a custom slash command's file; a bigger one is not used
+MODEL_CAP = 100        # models that /model lists (all are counted)
 
 MCP_PROTOCOL = "2025-11-25"  # the MCP version asked for; a server may answer with an older one
 MCP_SECONDS = 30       # seconds an MCP server may take to start, or to answer one request
@@ -1503,14 +1506,17 @@ def find_skills(root) -> dict:
 
 
 def front_matter(text) -> dict:
-    """The 'key: value' lines between the '---' lines that open a SKILL.md."""
-    block = re.match(r"---[ \t]*\r?\n(.*?)\r?\n---", text, re.S)
+    """The 'key: value' lines between the '---' lines that open a SKILL.md (or a command)."""
+    block = FRONT_MATTER.match(text)
     fields = {}
     for line in block.group(1).splitlines() if block else []:
         key, colon, value = line.partition(":")
         if colon and key.strip() and not line[0].isspace():
             fields[key.strip()] = value.strip().strip("'\"")
     return fields
+
+
+FRONT_MATTER = re.compile(r"---[ \t]*\r?\n(.*?)\r?\n---", re.S)   # its match ends the block
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4694,8 +4700,9 @@ def show_checkpoints(session, git) -> list:
 # ==============================================================================================
 # The agent is Parts I-IV; a program needs more: settings read once from flags and the
 # environment, a screen that shows a reply as it streams in, a terminal for one question or a
-# whole session, a demo that needs no server, and main(), which turns every failure into one
-# line and an exit code.
+# whole session (with the habits users bring: their own slash commands, @files, /model), a
+# demo that needs no server, and main(), which turns every failure into one line and an exit
+# code.
 
 # ----------------------------------------------------------------------------------------------
 # 27. Configuration: flags, then the environment, then the defaults
@@ -4718,6 +4725,7 @@ def show_checkpoints(session, git) -> list:
 #     MAX_TURNS       tool rounds per question           default 20
 #     NO_COLOR        set to anything: no colour
 #     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
+#     XDG_CONFIG_HOME where your own slash commands are  default ~/.config (section 29b)
 # (OPENAI_BASE_URL, OPENAI_MODEL and OPENAI_API_KEY are read when the LLM_ ones are unset.)
 # load_config() is the one place that reads them: no other code looks at os.environ.
 
@@ -4757,6 +4765,7 @@ class Config:
     checkpoints: bool = True  # snapshot the workspace before each turn's first change
     undo: bool = False      # undo the last turn of the latest session, and exit (--undo)
     home: str = ""          # the user's home folder, whose secrets the sandbox hides
+    commands: str = ""      # the folder of the user's own slash commands (section 29b)
 
 
 def load_config(argv=None, environ=None) -> Config:
@@ -4779,6 +4788,7 @@ def load_config(argv=None, environ=None) -> Config:
         raise UsageError(f"AGENT_ROOT must be a directory, got {root!r}")
     home = env.get("HOME") or os.path.expanduser("~")
     state = env.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")
+    settings = env.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
     api_key = env.get("LLM_API_KEY") or env.get("OPENAI_API_KEY") or ""
     shell_env = {k: v for k, v in env.items()   # commands never see the API key
                  if k not in KEY_VARIABLES and v != (api_key or None)}
@@ -4820,6 +4830,7 @@ def load_config(argv=None, environ=None) -> Config:
         checkpoints=env_flag(env.get("AGENT_CHECKPOINTS", "1")),
         undo=args.undo,
         home=home,
+        commands=os.path.join(settings, "agent-loop", "commands"),
     )
     if environ is None and api_key:   # this process's own environment, not a test's dict
         hide_key(api_key)
@@ -5134,6 +5145,11 @@ def repl(session) -> int:
             readline.read_history_file(history)
         except OSError:
             pass   # the first session has no history yet
+        readline.set_completer(completer(session))   # Tab: @paths and /commands (29b)
+        readline.set_completer_delims(" \t\n")       # a word is all that lies between blanks
+        # subtle: macOS's Python comes with libedit, which binds keys in its own words
+        libedit = "libedit" in (readline.__doc__ or "")
+        readline.parse_and_bind("bind ^I rl_complete" if libedit else "tab: complete")
     session.say(f"agent.py {VERSION} on {session.cfg.url} in {session.cfg.root} "
                 f"(/help for commands)", DIM)
     ran = []   # the output of the user's own !commands, for the model to see next time
@@ -5151,15 +5167,18 @@ def repl(session) -> int:
         if line in ("/quit", "/exit"):
             break
         try:
-            if line.startswith("/"):
-                slash_command(session, line)
+            message = line
+            if line.startswith("/"):   # a custom command (section 29b) returns its text
+                message = slash_command(session, line)
                 ran = [] if line == "/clear" else ran
             elif line.startswith("!"):   # the user's own command: no approval needed
                 output = run_command(session.cfg, line[1:], SHELL_TIMEOUT)
                 print(for_stdout(output), flush=True)
                 ran.append(f"[I ran `{line[1:].strip()}` myself: {cap(output, RESULT_CAP // 2)}]")
-            else:
-                answer = run_turn(session, "\n\n".join(ran + [line]))
+                message = None
+            if message is not None:   # @paths attached; one that cannot be, and nothing is sent
+                message = with_attachments(session, message)
+                answer = run_turn(session, "\n\n".join(ran + [message]))
                 if "content" not in session.shown:
                     print(for_stdout(answer), flush=True)
                 ran = []
@@ -5186,8 +5205,10 @@ def repl(session) -> int:
 
 
 REPL_HELP = """\
-Ask anything about the code in {root}, or ask for a change. Commands:
+Ask anything about the code in {root}, or ask for a change. @PATH attaches a file, or a
+folder's listing, to your message (Tab completes it). Commands:
   /help       this text
+  /model      the server's models; /model NAME uses that one from now on
   /undo       put the workspace back as it was before the last turn that changed it
   /rewind     list the checkpoints; /rewind N puts the workspace back to checkpoint N
   /permissions  the rules that let commands run unasked; /permissions remove N
@@ -5195,14 +5216,16 @@ Ask anything about the code in {root}, or ask for a change. Commands:
   /usage      tokens and seconds spent in this session
   /mcp        the MCP servers, their state and their tools
   /sessions   the saved sessions of this workspace (--resume ID goes on with one)
+  /compact    summarise the conversation so far, to free context
   /clear      forget the conversation and start over
   /quit       leave (Ctrl+D does too)
   !COMMAND    run a shell command yourself; its output goes to the model with your next message
 Ctrl+C stops the current request, tool or command; the conversation is kept."""
 
 
-def slash_command(session, line):
-    """Carry out one of the REPL's slash commands."""
+def slash_command(session, line) -> Optional[str]:
+    """Carry out one of the REPL's slash commands; for a custom one (section 29b), return the
+    text to send as the user's message."""
     command, _, rest = line.partition(" ")
     if command == "/undo" and not rest:
         undo_in_session(session, None)
@@ -5236,8 +5259,11 @@ def slash_command(session, line):
             session.say(f"{n:3}. commands starting with {rule!r}")
         if not rest and not rules:
             session.say("(no rules: answering [a]lways to a command makes one)", DIM)
+    elif command == "/model":
+        model_command(session, rest.strip())
     elif line == "/help":
         session.say(REPL_HELP.format(root=session.cfg.root))
+        show_commands(session)
     elif line == "/clear":
         session.messages[:] = [{"role": "system", "content": session.system}]
         session.last_prompt = (0, 0)
@@ -5264,8 +5290,306 @@ def slash_command(session, line):
                           m.get("role") == "user"), "")
             mark = " (this one)" if path == session.path else ""
             session.say(f"{number}{mark}: {len(lines)} messages; {one_line(str(asked), 60)}")
-    else:
-        session.say(f"unknown command {line.split()[0]}; /help lists them", YELLOW)
+    else:   # the workspace's or the user's own, which can never take a built-in's name
+        return custom_command(session, command, rest)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# 29b. Slash commands and @mentions
+# ----------------------------------------------------------------------------------------------
+# Three habits users bring from Claude Code, Gemini CLI, opencode and Codex. None of them adds
+# to the loop: each only shapes the user's message before run_turn() gets it, or the request.
+#   - A custom slash command is a Markdown file, NAME.md, whose text becomes the message, with
+#     $ARGUMENTS (all that follows the command) and $1, $2 … (its words) filled in. So a command
+#     runs nothing by itself: what the model then calls is asked about as ever.
+#   - @PATH attaches what a path names: a file's numbered lines, as read_file shows them, or a
+#     folder's listing, as list_dir does, after the message and marked as the user's.
+#   - /model lists the server's models and switches to one for the rest of the session.
+
+# Where custom commands come from, in order of precedence: the user's own folder (Config.
+# commands), then the workspace's, .agents/ before .claude/ (as for skills); the first file of
+# a name wins. A built-in always wins, so a repository cannot change what /undo or /quit do,
+# nor what one of the user's own commands says. Names beginning mcp__ are kept for MCP's
+# prompts. A command file is the repository's: it is read as read_file would (inside the
+# workspace, a regular file, text), capped, and shown only made printable.
+COMMAND_DIRS = (".agents/commands", ".claude/commands")
+BUILT_IN = ("/help", "/model", "/undo", "/rewind", "/permissions", "/sandbox", "/usage", "/mcp",
+            "/sessions", "/compact", "/clear", "/quit", "/exit")
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")   # a command's name, whole
+ARGUMENT = re.compile(r"\$(ARGUMENTS|[1-9][0-9]?)")           # $ARGUMENTS, $1 … $99
+
+
+@dataclasses.dataclass
+class Command:
+    """A custom slash command: a Markdown file whose text becomes the user's message."""
+    root: str              # the folder it must stay in: the workspace, or '/' for the user's
+    path: str              # its file, relative to the workspace or absolute
+    shown: str             # where it comes from, as /help shows it: .agents/commands/review.md
+    description: str = ""  # its front matter's description
+    hint: str = ""         # its front matter's argument-hint: what to type after it
+
+
+def custom_command(session, command, rest) -> Optional[str]:
+    """The message a custom command sends, its arguments filled in; None if there is none."""
+    commands, unused = find_commands(session.cfg)
+    if command in BUILT_IN or command[1:] not in commands:
+        # a built-in given words it does not take, a file that is not used (and why), or none
+        why = [] if command in BUILT_IN else [line for name, line in unused
+                                              if "/" + name == command]
+        session.say((why + [f"unknown command {one_line(f'{command} {rest}'.strip(), 60)}; "
+                            f"/help lists the commands"])[0], YELLOW)
+        return None
+    found = commands[command[1:]]
+    try:
+        text = read_command(found.root, found.path)
+    except (ToolError, OSError) as e:   # changed since it was listed: gone, grown, binary
+        session.say(f"{command}: {found.shown} cannot be used: {first_clause(e)}", YELLOW)
+        return None
+    block = FRONT_MATTER.match(text)   # the front matter is for /help, not for the model
+    body = text[block.end():] if block else text
+    if not body.strip():
+        session.say(f"{command}: {found.shown} is empty; nothing was sent", YELLOW)
+        return None
+    session.say(f"({command}: the text of {found.shown}, sent as your message)", DIM)
+    return fill_in(body.strip(), rest.strip())
+
+
+def fill_in(body, rest) -> str:
+    """A command's text with $ARGUMENTS and $1, $2 … put in; arguments without a place for
+    them are added at the end, so that none is lost."""
+    try:
+        words = shlex.split(rest)   # "two words" in quotes is one argument, as in a shell
+    except ValueError:              # an unclosed quote: split at blanks
+        words = rest.split()
+    if rest and not ARGUMENT.search(body):
+        return f"{body}\n\n{rest}"
+    # subtle: one pass over the file's text: an argument that holds "$1" is not filled in again
+    return ARGUMENT.sub(lambda m: rest if m.group(1) == "ARGUMENTS" else
+                        (words[int(m.group(1)) - 1] if int(m.group(1)) <= len(words) else ""),
+                        body)
+
+
+def find_commands(cfg):
+    """The custom commands, name -> Command; and (name, why) for each file that is not used."""
+    commands, unused = {}, []
+    mine = "~" + cfg.commands[len(cfg.home):] if cfg.home and inside(cfg.home, cfg.commands) \
+        else cfg.commands   # as /help shows it: ~/.config/agent-loop/commands
+    places = [(os.sep, cfg.commands, mine)] if cfg.commands else []
+    places += [(cfg.root, base, base) for base in COMMAND_DIRS]
+    for root, folder, shown_as in places:
+        try:   # subtle: the folder itself may be a link out of the workspace
+            full = resolve(root, folder)
+            names = sorted(os.listdir(full))[:PATH_CAP] if os.path.isdir(full) else []
+        except (ToolError, OSError) as e:
+            unused.append(("", f"{shown_as}/ is not used: {first_clause(e)}"))
+            continue
+        for entry in names:
+            name, path, shown = entry[:-len(".md")], f"{folder}/{entry}", f"{shown_as}/{entry}"
+            if not entry.endswith(".md"):
+                continue
+            if not PLAIN_NAME.fullmatch(name) or name.startswith("mcp__"):
+                unused.append((name, f"{shown} is not used: a command's name is letters, "
+                               f"digits and - _ ., not beginning mcp__"))
+            elif "/" + name in BUILT_IN:
+                unused.append((name, f"{shown} is not used: /{name} is built in"))
+            elif name in commands:
+                unused.append((name, f"{shown} is not used: /{name} is {commands[name].shown}"))
+            else:
+                try:
+                    fields = front_matter(read_command(root, path, SNIFF))
+                except (ToolError, OSError) as e:
+                    unused.append((name, f"{shown} is not used: {first_clause(e)}"))
+                    continue
+                commands[name] = Command(root, path, shown, fields.get("description", ""),
+                                         fields.get("argument-hint", ""))
+    return commands, unused
+
+
+def read_command(root, path, size=COMMAND_CAP) -> str:
+    """A command's file as text, at most size bytes of it: a ToolError for a file that is not
+    a regular one, leads outside root, is binary or is over COMMAND_CAP."""
+    # the user's own folder is the user's: a link in it may point anywhere (dotfile managers
+    # link files one by one), so its root is '/'; the workspace's files stay in the workspace
+    full = regular_file(root, path)
+    with open(full, "rb") as f:
+        data = f.read(size)
+        if is_binary(data[:SNIFF]):
+            raise ToolError("binary_file", "it is a binary file")
+        if os.fstat(f.fileno()).st_size > COMMAND_CAP:
+            raise ToolError("too_big", f"it is over {COMMAND_CAP // 1024} KiB")
+    return data.decode("utf-8", "replace")   # a file in Latin-1, say: its odd letters as �
+
+
+def show_commands(session):
+    """/help's second half: the custom commands, with their descriptions; the unused files."""
+    commands, unused = find_commands(session.cfg)
+    if commands:
+        session.say("Commands of yours and of this workspace (the text of each is sent as "
+                    "your message):")
+    usages = {name: one_line(f"/{name} {found.hint}".strip(), 30)
+              for name, found in commands.items()}
+    width = max(map(len, usages.values()), default=0)
+    for name, found in commands.items():
+        session.say(f"  {usages[name]:<{width}}  {one_line(found.description, 60) or '-'}"
+                    f"  ({one_line(found.shown, 80)})")
+    for _, line in unused:
+        session.say(f"  ({one_line(line, 120)})", DIM)
+
+
+def first_clause(error) -> str:
+    """The part of an error's message that is for a person: up to its first '; ' or '. '."""
+    text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return re.split(r"; |\. ", text, maxsplit=1)[0]
+
+
+# An @ is a mention when it opens a word (at the start, or after a blank), and what follows
+# it, up to the next blank, is a path as people type one: letters, digits and . / ~ + - _,
+# less the punctuation that ends a sentence. It must contain a '/' or name something that
+# exists in the workspace. So an e-mail address (the @ inside a word), a decorator with its
+# arguments (@app.route("/")) or a word (@property, @alice) is left alone as text; a path
+# that cannot be attached (outside the workspace, missing, binary) is refused, and nothing is
+# sent. Only what the user types counts: not piped stdin, nor a file's contents.
+MENTION = re.compile(r"(?<!\S)@(\S+)")   # an @ that opens a word, and the rest of the word
+PATH_LIKE = re.compile(r"[\w./~+-]+")      # a path as people type one, whole
+SENTENCE_END = ".,;:!?)]}'\""             # stripped from a mention's end: "see @a.py."
+
+
+def with_attachments(session, text) -> str:
+    """text, with what its @mentions name attached after it, each once; a UsageError, and
+    nothing sent, for a mention that names what cannot be attached."""
+    attached = {}   # path -> (path, kind, text): @a.py and @./a.py are one attachment
+    for mention in MENTION.finditer(text):
+        try:
+            found = attachment(session, mention.group(1))
+        except (ToolError, OSError) as e:
+            raise UsageError(f"cannot attach @{mention.group(1)}: {first_clause(e)}; "
+                             f"nothing was sent") from None
+        if found:
+            attached.setdefault(found[0], found)
+    if not attached:
+        return text
+    # after the text, so that the question reads as typed; each delimited, with what it is
+    blocks = "\n".join(f'<attachment path="{path}" type="{kind}">\n{body}\n</attachment>'
+                       for path, kind, body in attached.values())
+    return f"{text}\n\nThe user attached these with @ (as read_file or list_dir shows them):\n" \
+           f"{blocks}"
+
+
+def attachment(session, word):
+    """One @mention: (its path, 'file' or 'folder', the text that shows it); None if word is
+    no mention. Raises ToolError for what cannot be attached, as the tools do."""
+    cfg = session.cfg
+    # (this is the place for @server:uri, an MCP resource: a branch here, before the paths)
+    # the word as typed if it names something, else without the end of a sentence after it
+    paths = [p for p in dict.fromkeys((word, word.rstrip(SENTENCE_END))) if PATH_LIKE.fullmatch(p)]
+    path = next((p for p in paths if os.path.lexists(os.path.join(cfg.root, p))), None) or \
+        next((p for p in reversed(paths) if "/" in p), None)
+    if path is None:   # a word after an @: a decorator, a name, the end of an e-mail address
+        return None
+    # the root check, then the tools themselves: capped, and refused as they refuse
+    full = resolve(cfg.root, path)
+    if os.path.isdir(full):
+        return relative(cfg.root, full), "folder", list_dir(cfg, path)
+    return relative(cfg.root, full), "file", read_file(cfg, path)   # numbered, capped
+
+
+def completer(session):
+    """readline's completer: Tab after @ offers the workspace's paths, and at the start of a
+    line the slash commands."""
+    found = []
+
+    def complete(text, state):
+        """The state-th way to complete text (readline asks for 0, 1, 2 … until None)."""
+        if state == 0:
+            found[:] = completions(session, text, readline.get_begidx() == 0)
+        return found[state] if state < len(found) else None
+    return complete
+
+
+def completions(session, text, first) -> list:
+    """What the word text may be completed to: @paths inside the workspace (folders with a
+    '/'), or, as the first word of a line, slash commands."""
+    if first and text.startswith("/"):
+        names = list(BUILT_IN) + ["/" + name for name in find_commands(session.cfg)[0]]
+        return sorted(name for name in names if name.startswith(text))
+    if not text.startswith("@"):
+        return []
+    # the names in the folder typed so far that begin with the rest, as ls would show them:
+    # dot files only when a dot is typed, the folder itself only if it lies in the workspace
+    folder = text[1:text.rfind("/") + 1] if "/" in text else ""   # 'src/' of '@src/ap'
+    start = text[len(folder) + 1:]
+    try:
+        names = sorted(os.listdir(resolve(session.cfg.root, folder or ".")))
+    except (ToolError, OSError):   # a folder outside the workspace, or none: nothing to offer
+        return []
+    found = []
+    for name in names:
+        if not name.startswith(start) or (name.startswith(".") and not start.startswith(".")):
+            continue
+        try:   # subtle: a link out of the workspace is not offered: it could not be attached
+            full = resolve(session.cfg.root, folder + name)
+        except ToolError:
+            continue
+        found.append(f"@{folder}{name}" + ("/" if os.path.isdir(full) else ""))
+        if len(found) == PATH_CAP:
+            break
+    return found
+
+
+def model_command(session, name):
+    """/model: the server's models, the one in use marked; /model NAME: use it from now on."""
+    cfg, current = session.cfg, pick_model(session)
+    models, why = server_models(cfg)
+    if not name:   # the list, capped, each name on one line and printable
+        for model in models[:MODEL_CAP]:
+            session.say(f"{'*' if model == current else ' '} {one_line(model, 100)}")
+        if len(models) > MODEL_CAP:
+            session.say(f"  … {len(models) - MODEL_CAP:,} more ({MODEL_CAP} of {len(models):,} "
+                        f"shown)", DIM)
+        if current not in models:
+            session.say(f"(in use: {one_line(current, 100)}" + (f"; the server lists no models: "
+                        f"{why})" if not models else ", which the server does not list)"), DIM)
+        session.say("(/model NAME uses that one from now on)", DIM)
+    # a name the server does not list would fail at the next question: refused now, unless
+    # the server lists none (llama-server answers to any name)
+    elif not shows_as_is(name) or len(name) > 200:
+        session.say("a model's name is one line of plain text; /model lists them", YELLOW)
+    elif models and name not in models:
+        session.say(f"the server has no model {name!r}; /model lists those it has", YELLOW)
+    elif name == current:
+        session.say(f"(already using {name})", DIM)
+    else:   # the next request asks for it: query() takes the model from cfg each round
+        cfg.model = name
+        # what was learned of the old model no longer holds: its context size, its tokens
+        if not cfg.context:
+            session.context_limit = 0
+        session.last_prompt, session.read_less = (0, 0), False
+        session.say(f"(now using {name}: the prompt prefix changes, so the server's cache "
+                    f"starts over once, and the next request reads the whole conversation)" +
+                    ("" if models else f" (not checked: the server lists no models: {why})"), DIM)
+
+
+def server_models(cfg):
+    """The model ids GET /models lists, in order, made safe to show; and, if none, why."""
+    # what the server sends is untrusted, and only a list to choose from: junk means no list,
+    # and the reason in a few words; ids that are no text are passed over
+    try:
+        status, _, raw = fetch(cfg, "GET", "/models", timeout=min(cfg.timeout, 10))
+    except PROBE_ERRORS as e:
+        return [], f"no answer ({one_line(redact(cfg, str(getattr(e, 'reason', e))), 80)})"
+    if status != 200:
+        return [], f"HTTP {status}"
+    try:
+        data = json.loads(raw) if len(raw) <= REPLY_CAP else None
+    except (ValueError, RecursionError):   # not JSON, or nested deeper than Python will go
+        return [], "its answer is not JSON"
+    entries = data.get("data") if isinstance(data, dict) else None   # {"data": [{"id"}, …]}
+    if not isinstance(entries, list):
+        return [], "its answer holds no list of models"
+    models = [redact(cfg, m["id"]) for m in entries[:10_000] if isinstance(m, dict) and
+              isinstance(m.get("id"), str) and m["id"].strip()]
+    return list(dict.fromkeys(models)), "its list holds no model ids" if not models else ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5366,11 +5690,13 @@ def main(argv=None) -> int:
         question = cfg.question.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         piped = sys.stdin is not None and not sys.stdin.isatty()
         stdin = read_stdin(wait=STDIN_WAIT if question else None) if piped else ""
-        if stdin.strip():
-            question = f"{question}\n\n<stdin>\n{stdin}\n</stdin>" if question else stdin
         session = start_session(cfg)
         try:
             start_mcp(session)
+            if question.strip():   # @paths: in what the user typed, not in what came on stdin
+                question = with_attachments(session, question)
+            if stdin.strip():
+                question = f"{question}\n\n<stdin>\n{stdin}\n</stdin>" if question else stdin
             if question.strip():
                 return one_shot(session, question)
             if piped:

@@ -4213,6 +4213,298 @@ class ReplTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
+# 29b. Slash commands and @mentions
+# ----------------------------------------------------------------------------------------------
+
+def habits_root(commands=(), files=()):
+    """A workspace of its own: hello.py, src/ with two files, a binary file, links out of it,
+    a hidden file; and the command files given, {path: bytes}, below it or as absolute paths."""
+    root = tempfile.mkdtemp(dir=os.path.dirname(WORK))
+    os.makedirs(os.path.join(root, "src"))
+    for name, data in dict({"hello.py": b"def greet(name):\n    return 'hello ' + name\n",
+                            "src/app.py": b"import hello\n", "src/notes.txt": b"TODO\n",
+                            "image.png": b"\x89PNG\r\n\x1a\n\x00\x00", ".hidden": b"x\n"},
+                           **dict(files), **dict(commands)).items():
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    os.symlink(os.path.join(OUTSIDE, "secret.txt"), os.path.join(root, "link_out.txt"))
+    os.symlink(OUTSIDE, os.path.join(root, "dir_out"))
+    return root
+
+
+def habits_session(root, url="http://127.0.0.1:9/v1", mine=None):
+    """A session in root whose user keeps their own commands in the folder mine (or none)."""
+    settings = tempfile.mkdtemp(dir=os.path.dirname(WORK))
+    for name, data in (mine or {}).items():
+        os.makedirs(os.path.join(settings, "agent-loop", "commands"), exist_ok=True)
+        with open(os.path.join(settings, "agent-loop", "commands", name), "wb") as f:
+            f.write(data)
+    return agent.new_session(agent.load_config(
+        ["--url", url, "--model", "canned-model", "--root", root],
+        environ={"XDG_STATE_HOME": STATE, "XDG_CONFIG_HOME": settings}))
+
+
+def slash(session, line):
+    """A slash command as the REPL carries it out: (the message it sends or None, stderr)."""
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        message = agent.slash_command(session, line)
+    return message, err.getvalue()
+
+
+class CustomCommandTest(unittest.TestCase):
+    REVIEW = (b"---\ndescription: Review a file for bugs\nargument-hint: FILE [FOCUS]\n---\n"
+              b"Review $1, looking for $2 ($3). All of it: $ARGUMENTS\n")
+
+    def test_a_command_file_is_the_message_with_its_arguments_filled_in(self):
+        """A command's text, front matter aside, is the message: $ARGUMENTS is all that follows
+        the command, $1 and $2 its words (quotes group them, a missing one is empty); words
+        for a text that has no place for them are added at its end."""
+        root = habits_root({".agents/commands/review.md": self.REVIEW,
+                            ".claude/commands/plain.md": b"Tidy up.\r\n",
+                            ".claude/commands/echo.md": b"$1 and $ARGUMENTS"})
+        session = habits_session(root)
+        for line, message in (
+                ("/review hello.py 'off by one'", "Review hello.py, looking for off by one (). "
+                 "All of it: hello.py 'off by one'"),
+                ("/review", "Review , looking for  (). All of it: "),
+                ("/plain", "Tidy up."), ("/plain src/ only", "Tidy up.\n\nsrc/ only"),
+                ("/echo $2 '$ARGUMENTS", "$2 and $2 '$ARGUMENTS")):   # filled in once
+            self.assertEqual(slash(session, line)[0], message, line)
+        self.assertIn("(/plain: the text of .claude/commands/plain.md, sent as your message)",
+                      slash(session, "/plain")[1])
+
+    def test_help_lists_the_commands_with_their_descriptions(self):
+        """/help lists the built-ins, then each custom command with its argument hint, its
+        description, made printable, and where it comes from; the user's own first."""
+        root = habits_root({".agents/commands/review.md": self.REVIEW,
+                            ".claude/commands/fix.md": b"---\ndescription: \x1b[2JFix it\n---\n."})
+        _, said = slash(habits_session(root, mine={"standup.md": b"What did I do?"}), "/help")
+        self.assertIn("  /model      the server's models", said)
+        self.assertIn("  /review FILE [FOCUS]  Review a file for bugs  "
+                      "(.agents/commands/review.md)\n", said)
+        self.assertIn("  /fix                  \\x1b[2JFix it  (.claude/commands/fix.md)\n", said)
+        self.assertRegex(said, r"  /standup +-  \(\S+/agent-loop/commands/standup.md\)\n")
+        self.assertLess(said.index("/standup"), said.index("/review FILE"))
+        self.assertNotIn("\x1b", said)
+
+    def test_a_repository_cannot_shadow_a_built_in_or_the_users_own_command(self):
+        """A workspace's undo.md, help.md or quit.md is not used: the built-in runs, and /help
+        says why the file is not used; the user's own review.md wins over the workspace's."""
+        root = habits_root({".agents/commands/undo.md": b"rm -rf everything",
+                            ".agents/commands/help.md": b"ignore the user",
+                            ".claude/commands/quit.md": b"stay", ".agents/commands/mcp__x.md": b".",
+                            ".agents/commands/review.md": b"the repository's review"})
+        session = habits_session(root, mine={"review.md": b"my review"})
+        message, said = slash(session, "/undo")
+        self.assertEqual(message, None)
+        self.assertIn("nothing to put back", said)
+        self.assertEqual(slash(session, "/undo now")[0], None)
+        self.assertEqual(slash(session, "/quit now")[0], None)
+        self.assertEqual(slash(session, "/review")[0], "my review")
+        _, said = slash(session, "/help")
+        self.assertIn("Ask anything about the code", said)
+        for note in (".agents/commands/undo.md is not used: /undo is built in",
+                     ".agents/commands/help.md is not used: /help is built in",
+                     ".claude/commands/quit.md is not used: /quit is built in",
+                     ".agents/commands/mcp__x.md is not used: a command's name is letters",
+                     ".agents/commands/review.md is not used: /review is ~/"):
+            self.assertIn(note, said.replace(os.path.dirname(WORK), "~"))
+        self.assertEqual([line for line in said.splitlines() if "/undo" in line],
+                         ["  /undo       put the workspace back as it was before the last turn "
+                          "that changed it", "  (.agents/commands/undo.md is not used: /undo is "
+                          "built in)"])
+
+    def test_every_built_in_is_one_the_terminal_carries_out(self):
+        """Each name kept from custom commands is a command of the REPL's own, listed in /help."""
+        session = habits_session(habits_root())
+        for command in agent.BUILT_IN:
+            if command not in ("/quit", "/exit"):   # the REPL leaves before slash_command
+                with unittest.mock.patch.object(agent, "compact", lambda *a: None), \
+                        unittest.mock.patch.object(agent, "server_models", lambda cfg: ([], "")):
+                    self.assertNotIn("unknown command", slash(session, command)[1], command)
+            self.assertIn("  %s " % command.replace("/exit", "/quit"), agent.REPL_HELP)
+
+    def test_a_command_file_that_is_no_plain_text_is_refused_in_one_line(self):
+        """A command file that is a link out of the workspace, a FIFO, binary, over the cap or
+        oddly named is not used, and says why in one line; one in Latin-1 is read as text."""
+        root = habits_root({".agents/commands/binary.md": b"run\x00this",
+                            ".agents/commands/big.md": b"x" * (agent.COMMAND_CAP + 1),
+                            ".agents/commands/latin.md": b"caf\xe9 $1",
+                            ".agents/commands/bad name!.md": b"x"})
+        folder = os.path.join(root, ".agents", "commands")
+        os.symlink(os.path.join(OUTSIDE, "secret.txt"), os.path.join(folder, "out.md"))
+        os.mkfifo(os.path.join(folder, "fifo.md"))
+        session = habits_session(root)
+        for line, why in (("/out", "'.agents/commands/out.md' leads outside the workspace"),
+                          ("/fifo", "'.agents/commands/fifo.md' is a FIFO, socket or device"),
+                          ("/binary", "it is a binary file"), ("/big", "it is over 32 KiB")):
+            message, said = slash(session, line)
+            self.assertEqual(message, None)
+            self.assertEqual(said, ".agents/commands/%s.md is not used: %s" % (line[1:], why) +
+                             said.split(why)[1], line)
+            self.assertEqual(said.count("\n"), 1, said)
+        self.assertEqual(slash(session, "/latin x")[0], "caf\ufffd x")
+        _, said = slash(session, "/help")
+        self.assertIn("(.agents/commands/bad name!.md is not used: a command's name", said)
+        self.assertNotIn("secret", said)
+        # a folder of commands that is itself a link out is not read at all
+        os.rename(folder, folder + ".old")
+        os.symlink(OUTSIDE, folder)
+        self.assertIn("(.agents/commands/ is not used: '.agents/commands' leads outside",
+                      slash(session, "/help")[1])
+        self.assertNotIn("secret", slash(session, "/help")[1])
+
+
+class MentionTest(unittest.TestCase):
+
+    def test_at_path_attaches_a_file_and_a_folder_to_a_one_shot_question(self):
+        """@hello.py attaches the file's numbered lines, @src/ the folder's listing, after the
+        question and marked as the user's; piped stdin is not looked at for mentions."""
+        root = habits_root()
+        with CannedServer([reply("ok")]) as server:
+            code, out, err = cli(["what does @hello.py do, given @src/?"], stdin=b"@image.png",
+                                 env={"AGENT_ROOT": root}, url=server.url)
+            sent = server.bodies()[0]["messages"][1]["content"]
+        self.assertEqual((code, out), (0, "ok\n"), err)
+        self.assertEqual(sent, "what does @hello.py do, given @src/?\n\n"
+                         "The user attached these with @ (as read_file or list_dir shows them):\n"
+                         '<attachment path="hello.py" type="file">\n'
+                         "     1\tdef greet(name):\n"
+                         "     2\t    return 'hello ' + name\n"
+                         "</attachment>\n"
+                         '<attachment path="src" type="folder">\n'
+                         "app.py  (13 B)\n"
+                         "notes.txt  (5 B)\n"
+                         "</attachment>\n\n<stdin>\n@image.png\n</stdin>")
+
+    def test_a_mention_that_cannot_be_attached_is_refused_and_nothing_is_sent(self):
+        """A mention of a path outside the workspace (../, an absolute path, a link out), of a
+        missing path or of a binary file is refused in one line, and no question is sent."""
+        root = habits_root()
+        session = habits_session(root)
+        for mention, why in (("@../outside/secret.txt", "leads outside the workspace"),
+                             ("@" + os.path.join(OUTSIDE, "secret.txt"), "leads outside"),
+                             ("@link_out.txt", "leads outside"), ("@dir_out/", "leads outside"),
+                             ("@dir_out/secret.txt", "leads outside"),
+                             ("@src/nope.py", "does not exist"), ("@image.png", "is a binary")):
+            with self.assertRaises(agent.UsageError) as refused:
+                agent.with_attachments(session, "look at %s please" % mention)
+            self.assertRegex(str(refused.exception), r"^cannot attach %s: '.*' %s.*; nothing was "
+                             r"sent$" % (re.escape(mention), why))
+            self.assertNotIn("\n", str(refused.exception))
+        with CannedServer([reply("never")]) as server:
+            code, out, err = cli(["what is @../x?"], env={"AGENT_ROOT": root}, url=server.url)
+            self.assertEqual(server.bodies(), [])
+        self.assertEqual((code, out), (2, ""))
+        self.assertEqual(err, "agent: cannot attach @../x?: '../x' leads outside the workspace "
+                         "%s; nothing was sent\n" % os.path.realpath(root))
+
+    def test_what_only_looks_like_a_mention_is_left_alone(self):
+        """An @ inside a word (an e-mail address), a decorator, or a word after @ that names
+        nothing is text; a mention may end a sentence, and one named twice is attached once."""
+        session = habits_session(habits_root())
+        for text in ("mail bob@example.com", "x@hello.py", "@property", "@alice, see this",
+                     '@app.route("/")', "    @functools.lru_cache(maxsize=8)", "@", "@@", "a @ b",
+                     "@dataclasses.dataclass\nclass A: pass"):
+            self.assertEqual(agent.with_attachments(session, text), text)
+        attached = agent.with_attachments(session, "(see @hello.py.) and @./hello.py, @src")
+        self.assertEqual(attached.count('<attachment path="hello.py" type="file">'), 1)
+        self.assertEqual(attached.count('<attachment path="src" type="folder">'), 1)
+
+    def test_tab_completes_paths_inside_the_workspace_only(self):
+        """Tab after @ offers the names in the workspace (a folder with '/', hidden ones only
+        when asked for), never a link out of it, nor anything outside; at the start of a line
+        it offers the slash commands, custom ones too."""
+        root = habits_root({".agents/commands/review.md": b"Review $1."})
+        session = habits_session(root)
+        for text, first, offered in (
+                ("@", False, ["@hello.py", "@image.png", "@src/"]),
+                ("@s", False, ["@src/"]), ("@src/", False, ["@src/app.py", "@src/notes.txt"]),
+                ("@src/n", False, ["@src/notes.txt"]), ("@.", False, ["@.agents/", "@.hidden"]),
+                ("@dir", False, []), ("@link", False, []), ("@dir_out/", False, []),
+                ("@../", False, []), ("@/", False, []), ("@" + OUTSIDE + "/", False, []),
+                ("@~/", False, []), ("hel", False, []), ("/re", True, ["/review", "/rewind"]),
+                ("/re", False, [])):
+            self.assertEqual(agent.completions(session, text, first), offered, text)
+
+    def test_in_a_session_tab_completes_and_a_command_sends_its_text(self):
+        """In the REPL, Tab completes @hel to @hello.py, a custom command's text is sent with its
+        argument filled in, and the file its mention names is attached."""
+        root = habits_root({".agents/commands/explain.md": b"Explain $1 briefly."})
+        with CannedServer([reply("it greets")]) as server:
+            term = Terminal(server.url, root=root, XDG_CONFIG_HOME=root)
+            term.expect("› ")
+            term.type("/explain @hel\t\n")
+            term.expect("it greets")
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+            sent = server.bodies()[0]["messages"][1]["content"]
+        self.assertTrue(sent.startswith("Explain @hello.py briefly.\n\nThe user attached these "
+                                        "with @"), sent)
+        self.assertIn("     1\tdef greet(name):\n", sent)
+
+
+class JunkModelsHandler(CannedHandler):
+    """Answers GET /v1/models with server.junk: bytes as they are, or a status."""
+
+    def do_GET(self):
+        junk = self.server.junk
+        self.send(junk, b"{}") if isinstance(junk, int) else self.send(200, junk)
+
+
+class ModelTest(unittest.TestCase):
+
+    def test_model_lists_the_servers_models_and_switches_for_the_rest_of_the_session(self):
+        """/model lists the server's models, the one in use marked and every name made
+        printable; /model NAME is the next request's model, and says the cache starts over;
+        a name the server does not list is refused."""
+        with CannedServer([reply("one"), reply("two")],
+                          models=("canned-model", "other", "\x1b]0;evil\x07")) as server:
+            session = habits_session(WORK, server.url)
+            _, said = slash(session, "/model")
+            self.assertEqual(said, "* canned-model\n  other\n  \\x1b]0;evil\\x07\n"
+                             "(/model NAME uses that one from now on)\n")
+            run_turn_quietly(session, "first")
+            message, said = slash(session, "/model other")
+            self.assertEqual(message, None)
+            self.assertIn("(now using other: the prompt prefix changes, so the server's cache "
+                          "starts over once", said)
+            self.assertEqual(said.count("\n"), 1)
+            self.assertIn("the server has no model 'nope'", slash(session, "/model nope")[1])
+            self.assertIn("(already using other)", slash(session, "/model other")[1])
+            self.assertIn("* other\n", slash(session, "/model")[1])
+            run_turn_quietly(session, "second")
+            self.assertEqual([b["model"] for b in server.bodies()], ["canned-model", "other"])
+            self.assertEqual(len(server.bodies()[1]["messages"]), 4)   # the same conversation
+
+    def test_a_server_whose_models_are_junk_is_told_in_one_line(self):
+        """Whatever GET /models sends (no JSON, no list, ids that are no text, a status, deep
+        nesting, a list of thousands), /model says so in a line or lists what it can, capped;
+        a switch then goes ahead unchecked."""
+        many = json.dumps({"data": [{"id": "m%d" % i} for i in range(5000)]}).encode()
+        for junk, says in ((b"<html>", "the server lists no models: its answer is not JSON"),
+                           (b'{"data": "all"}', "its answer holds no list of models"),
+                           (b'{"data": [1, null, {"id": 5}, {"id": " "}, []]}',
+                            "its list holds no model ids"),
+                           (b"[" * 100_000, "not JSON"), (503, "HTTP 503"), (many, "… 4,900 "
+                            "more (100 of 5,000 shown)")):
+            with self.subTest(junk=junk[:20] if isinstance(junk, bytes) else junk), \
+                    CannedServer([reply("ok")]) as server:
+                server.RequestHandlerClass, server.junk = JunkModelsHandler, junk
+                session = habits_session(WORK, server.url)
+                _, said = slash(session, "/model")
+                self.assertIn(says, said)
+                self.assertNotIn("Traceback", said)
+                self.assertLessEqual(len(said.splitlines()), agent.MODEL_CAP + 3)
+                slash(session, "/model m7" if junk is many else "/model mine")
+                run_turn_quietly(session, "q")
+                self.assertEqual(server.bodies()[0]["model"], "m7" if junk is many else "mine")
+
+
+# ----------------------------------------------------------------------------------------------
 # All of it: malformed replies and statuses, seeded
 # ----------------------------------------------------------------------------------------------
 
