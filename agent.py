@@ -4128,7 +4128,9 @@ def save(session, whole=False):
             with private_file(session.path, "a") as f:
                 f.writelines(json.dumps(m) + "\n" for m in session.messages[session.saved:])
         session.saved = len(session.messages)
-    if session.path:
+    # subtle: a session with nothing but its system prompt (a REPL left at once, a question
+    # refused before it was sent) is not written, so that --continue never finds it the latest
+    if session.path and (len(session.messages) > 1 or os.path.exists(session.path)):
         uninterrupted(write)
 
 

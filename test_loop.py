@@ -3424,6 +3424,26 @@ class SubAgentTest(unittest.TestCase):
 
 class SessionFileTest(unittest.TestCase):
 
+    def test_a_session_that_asked_nothing_is_not_kept(self):
+        """A session left before any question (a REPL quit at once, a question refused before
+        it was sent) leaves no file, so that --continue goes on with the last real one."""
+        state = tempfile.mkdtemp(dir=STATE)
+        with CannedServer([reply("first answer"), reply("went on")]) as server:
+            self.assertEqual(cli(["q"], url=server.url, env={"XDG_STATE_HOME": state})[0], 0)
+            term = Terminal(server.url, XDG_STATE_HOME=state)
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+            self.assertEqual(cli(["@nowhere/x.py"], url=server.url,
+                                 env={"XDG_STATE_HOME": state})[0], 2)
+            code, out, _ = cli(["--continue", "and then?"], url=server.url,
+                               env={"XDG_STATE_HOME": state})
+            resumed = server.bodies()[-1]["messages"]
+        self.assertEqual((code, out), (0, "went on\n"))
+        self.assertEqual([m["content"] for m in resumed[1:]], ["q", "first answer", "and then?"])
+        saved = [n for _, _, names in os.walk(state) for n in names if n.endswith(".jsonl")]
+        self.assertEqual(len(saved), 1)
+
     def test_a_session_killed_mid_turn_goes_on_with_continue(self):
         """Every message is saved as it comes; after a kill, --continue repairs the transcript
         (the open call answered as interrupted) and carries on."""
