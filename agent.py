@@ -863,9 +863,10 @@ def run_call(session, name, arguments, place=0) -> str:
     changing = name in session.serial
     if changing:   # shown first, since its preview and the question follow
         session.say(f"⚙ {name}({shown_args})")
-    start = time.monotonic()
+    start, plans = time.monotonic(), []   # the change proposed, whose warnings are shown
     result = execute(session.cfg, name, arguments, session.tools,
-                     lambda *request: approve(session, *request), session.handlers)
+                     lambda *request: plans.append(request[2]) or approve(session, *request),
+                     session.handlers)
     if session.interrupted:   # a read still running when Ctrl+C came: keep quiet
         return result
     seconds = time.monotonic() - start
@@ -884,9 +885,8 @@ def run_call(session, name, arguments, place=0) -> str:
     else:
         summary, style = f"{result.count(chr(10)) + 1} lines", DIM
     session.say(prefix + summary, style)
-    for line in result.split("\n")[1:] if changing else []:   # what the user must see too:
-        if line.startswith("warning:"):                         # a file broken, a .git made
-            session.say("  " + line, YELLOW)
+    for warning in plans[0].warnings if plans else []:   # the agent's own: a file broken, a
+        session.say("  " + warning, YELLOW)              # .git made (not a command's output)
     return result
 
 
@@ -921,6 +921,8 @@ class Plan:
     sandbox: str = ""                # where it runs: "read" or "write" (the workspace may be
                                      # written) in the OS sandbox, "" outside (section 16)
     outside: str = ""                # why it must run outside the sandbox: always asked about
+    warnings: list = dataclasses.field(default_factory=list)   # what carrying it out found that
+                                     # the user must see too (run_call shows them)
 
 
 NO_TERMINAL = ("this session has no terminal to ask the user on, so {} is not allowed. Do not "
@@ -2053,8 +2055,11 @@ def plan_write(root, path, full, before, after, result) -> Plan:
             raise ToolError("changed_meanwhile", f"{path!r} changed while this change waited "
                             f"for approval, so it was not made; look at it again")
         write_text(full, after)
-        return result + broken_by(name, before, after)
-    return Plan(diff or f"(no change to {name})", carry_out, subject=name)
+        broken = broken_by(name, before, after)
+        warnings.extend([broken.strip()] if broken else [])
+        return result + broken
+    warnings = []
+    return Plan(diff or f"(no change to {name})", carry_out, subject=name, warnings=warnings)
 
 
 # A change that breaks a file's syntax is best mended at once, in the next call, not found at
@@ -2358,17 +2363,19 @@ def run_shell(cfg, command, timeout=SHELL_TIMEOUT, outside_sandbox=None):
     outside = (outside_sandbox or "").strip()
     sandbox = "" if outside or not cfg.bwrap else "read" if reads_only(command) else "write"
     preview = f"$ {command}" + (f"\n# outside the sandbox, because: {outside}" if outside else "")
-    return Plan(preview, lambda: run_command(cfg, command, timeout, sandbox), command=command,
-                sandbox=sandbox, outside=outside)
+    warnings = []
+    return Plan(preview, lambda: run_command(cfg, command, timeout, sandbox, warnings),
+                command=command, sandbox=sandbox, outside=outside, warnings=warnings)
 
 
-def run_command(cfg, command, timeout, sandbox="") -> str:
+def run_command(cfg, command, timeout, sandbox="", warnings=None) -> str:
     """Run command in a process group of its own, output to a file, in the sandbox if asked
     ("read" or "write"); when it ends, times out or is interrupted, kill all it started, so
-    nothing (`sleep 100 &`, a daemon) outlives it."""
+    nothing (`sleep 100 &`, a daemon) outlives it. What the user must see is added to
+    warnings too."""
     adopt_orphans()
     seccomp = filter_pipe() if sandbox else None   # bwrap reads the filter from this pipe
-    gits = git_folders(cfg.root) if sandbox == "write" else []
+    gits = git_folders(cfg.root) if sandbox == "write" else {}
     argv, env = ((sandboxed(cfg, command, sandbox, seccomp), sandbox_environment(cfg.shell_env))
                  if sandbox else ([cfg.shell, "-c", command], cfg.shell_env or None))
     with tempfile.TemporaryFile() as out:   # subtle: a pipe that nobody reads can fill and hang
@@ -2405,7 +2412,9 @@ def run_command(cfg, command, timeout, sandbox="") -> str:
         output = head_and_tail(out)
     if sandbox:   # what failed for the sandbox's sake says so, and what to do (subtle: even
         output += sandbox_hint(output, sandbox)   # with exit code 0: `curl … | head` is 0
-        output += new_git_folders(gits, git_folders(cfg.root) if sandbox == "write" else [])
+        planted = new_git_folders(gits, git_folders(cfg.root) if sandbox == "write" else {})
+        output += planted
+        (warnings if warnings is not None else []).extend([planted.strip()] if planted else [])
     return f"{status}\n{output}" if output.strip() else f"{status} (no output)"
 
 
@@ -2555,7 +2564,7 @@ SECRETS = (".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".netrc", ".p
 # Variables whose names say they hold a credential, and values that carry a password in a URL
 # (postgres://user:pw@host): not passed into the sandbox.
 SECRET_NAME = re.compile(r"token|secret|passw|credential|api_?key|private_?key|access_?key|"
-                         r"auth|cookie|(?:^|_)(?:key|pat)$", re.I)
+                         r"auth|cookie|jwt|webhook|(?:^|_)(?:key|pat|pass|pwd|dsn)$", re.I)
 SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
 # How deep, and through how many folders, the sandbox looks for repositories in the workspace.
 GIT_DEPTH, GIT_FOLDERS = 4, 5_000
@@ -2570,7 +2579,7 @@ def sandboxed(cfg, command, level, seccomp=None) -> list:
     # lie inside it, then the .git folders and the secrets over it
     argv = [cfg.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--tmpfs", "/tmp", "--tmpfs", "/run", bind, root, root]
-    for git in git_folders(root) if level == "write" else []:   # a planted hook or config
+    for git in git_folders(root) if level == "write" else {}:   # a planted hook or config
         argv += ["--ro-bind", git, git]                             # would run outside later
     for name in SECRETS:
         hidden = os.path.realpath(os.path.join(cfg.home, name))   # a link's target, too
@@ -2592,11 +2601,12 @@ def sandbox_environment(env) -> dict:
             if not SECRET_NAME.search(k) and not SECRET_VALUE.search(v)}
 
 
-def git_folders(root) -> list:
-    """The real paths of the .git folders (and .git files) of the workspace and of the
-    repositories in it, GIT_DEPTH levels down at most, looking through GIT_FOLDERS folders
-    at most; a .git that is a link counts as where it leads, if that is in the workspace."""
-    found, level, looked = [], [root], 0
+def git_folders(root) -> dict:
+    """What git reads in the workspace and would run code from: the git folders of the
+    workspace and of the repositories in it (a .git folder, where a .git link or file leads,
+    a folder laid out as a bare repository) and a hooks folder a config names (core.hooksPath),
+    GIT_DEPTH levels down and GIT_FOLDERS folders at most: real path -> (device, inode)."""
+    found, level, looked = set(), [root], 0
     for _ in range(GIT_DEPTH + 1):
         below = []
         for folder in level:
@@ -2605,52 +2615,85 @@ def git_folders(root) -> list:
                 entries = list(os.scandir(folder)) if looked <= GIT_FOLDERS else []
             except OSError:
                 continue
+            names = {entry.name for entry in entries}
+            if {"HEAD", "objects", "refs"} <= names and folder != root:   # git's own test
+                found.add(folder)
             for entry in entries:
                 if entry.name == ".git":   # a folder, a link to one, or a file naming one
-                    for real in {os.path.realpath(entry.path), git_dir_named(entry.path)}:
-                        found += [real] if real and inside(root, real) and \
-                            os.path.exists(real) else []
+                    found.update(git_dirs(root, entry.path))
                 elif entry.is_dir(follow_symlinks=False) and entry.name not in BULKY:
                     below.append(entry.path)
         level = below
-    return sorted(set(found))
+    found.update(hook for git in list(found) for hook in hooks_path(root, git))
+    identities = {}
+    for path in found:
+        try:
+            info = os.lstat(path)
+            identities[path] = (info.st_dev, info.st_ino)
+        except OSError:
+            pass
+    return identities
 
 
-BULKY = {"node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".cache"}
+BULKY = {"node_modules", "__pycache__", ".tox", ".mypy_cache", ".cache"}   # not looked in
 
 
-def git_dir_named(path) -> str:
-    """The real path of the folder a .git file names ('gitdir: ../x'), or ''."""
+def git_dirs(root, dot_git) -> list:
+    """The real git folders a .git names: itself, where it links to, or where a 'gitdir:'
+    file points; only folders inside the workspace that hold a HEAD, and never the root or a
+    folder above the .git (a link to '..' would make the whole workspace read-only)."""
+    places = [os.path.realpath(dot_git)]
     try:
-        if not os.path.isfile(path) or os.path.islink(path):
-            return ""
-        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
-            line = f.read(4096).decode("utf-8", "replace").strip()
+        if os.path.isfile(dot_git) and not os.path.islink(dot_git):
+            with open(os.open(dot_git, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+                line = f.read(4096).decode("utf-8", "replace").strip()
+            named = line[len("gitdir:"):].strip() if line.startswith("gitdir:") else ""
+            places = [dot_git] + [os.path.realpath(os.path.join(os.path.dirname(dot_git),
+                                                                named))] * bool(named)
     except OSError:
-        return ""
-    named = line[len("gitdir:"):].strip() if line.startswith("gitdir:") else ""
-    return os.path.realpath(os.path.join(os.path.dirname(path), named)) if named else ""
+        return []
+    above = os.path.dirname(dot_git)
+    return [p for p in places if inside(root, p) and not inside(p, above) and
+            (os.path.isfile(p) or os.path.exists(os.path.join(p, "HEAD")))]
+
+
+def hooks_path(root, git) -> list:
+    """The folder a repository's config names as its hooks (core.hooksPath: husky's .husky),
+    if it lies in the workspace: git runs what is in there."""
+    try:
+        with open(os.open(os.path.join(git, "config"), os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            config = f.read(1 << 16).decode("utf-8", "replace")
+    except OSError:
+        return []
+    named = re.findall(r"(?im)^\s*hookspath\s*=\s*\"?([^\"\n]+?)\"?\s*$", config)
+    top = os.path.dirname(git) if os.path.basename(git) == ".git" else git
+    places = [os.path.realpath(os.path.join(top, os.path.expanduser(n))) for n in named]
+    return [p for p in places if inside(root, p) and p != root and os.path.isdir(p)]
 
 
 def new_git_folders(before, after) -> str:
-    """A warning for the result if a command made or moved a .git in the workspace: git would
-    run the hooks and settings in there outside the sandbox, the next time it is used."""
-    made = sorted(set(after) - set(before))
-    return (f"\nwarning: this command made {', '.join(made[:5])}: git runs the hooks and "
-            f"settings in there, outside the sandbox, whenever it is used in that folder. "
-            f"They were left as they are; look at them before you use git there." if made else
-            "")
+    """A warning if a command made, moved or replaced a git folder (or hooks folder) in the
+    workspace: git would run the hooks and settings in there, outside the sandbox."""
+    changed = sorted(path for path, identity in after.items() if before.get(path) != identity)
+    return (f"\nwarning: this command made or replaced {', '.join(changed[:5])}: git runs the "
+            f"hooks and settings in there, outside the sandbox, whenever it is used in that "
+            f"folder. They were left as they are; look at them before you use git there."
+            if changed else "")
 
 
-# The sandbox's one system-call filter: socket(AF_UNIX, ...) fails with EPERM, so that no
-# daemon's socket outside (docker.sock, an agent of the user's) can be reached; socketpair(),
-# which programs use to talk to their own children, still works. It is classic BPF, as the
-# kernel reads it, written out for the two machines most run on; elsewhere there is none.
-SOCKET_CALLS = {   # machine -> (audit arch, socket(), socketcall() or 0, first x32 call or 0)
-    "x86_64": [(0xC000003E, 41, 0, 0x40000000), (0x40000003, 359, 102, 0)],
-    "aarch64": [(0xC00000B7, 198, 0, 0), (0x40000028, 281, 0, 0)],
+# The sandbox's one system-call filter. socket(AF_UNIX, ...) fails with EPERM, so that no
+# daemon's socket outside (docker.sock, an agent of the user's) can be reached; a socketpair
+# of streams, which programs use to talk to their own children, still works, but not one of
+# datagrams, which could send to any socket by name; io_uring, which can open sockets round
+# any filter, is refused. It is classic BPF, as the kernel reads it, written out for the two
+# machines most run on (and their 32-bit modes); elsewhere there is none.
+SOCKET_CALLS = {   # machine -> (audit arch, socket(), socketpair(), socketcall() or 0,
+    "x86_64": [(0xC000003E, 41, 53, 0, 0x40000000),           # the first x32 call or 0)
+               (0x40000003, 359, 360, 102, 0)],
+    "aarch64": [(0xC00000B7, 198, 199, 0, 0), (0x40000028, 281, 288, 0, 0)],
 }
-EPERM, AF_UNIX = 1, 1
+IO_URING = (425, 426, 427)   # io_uring_setup, _enter, _register: the same numbers on all four
+EPERM, AF_UNIX, SOCK_STREAM, SOCK_SEQPACKET = 1, 1, 1, 5
 
 
 def filter_pipe() -> Optional[int]:
@@ -2668,13 +2711,18 @@ def filter_pipe() -> Optional[int]:
 @functools.lru_cache(maxsize=1)
 def unix_socket_filter() -> bytes:
     """The seccomp program that refuses unix sockets, for this machine; b'' if there is none."""
-    code = [("ld", 4)]   # seccomp_data: nr at 0, arch at 4, args[0] (its low word) at 16
-    for i, (arch, socket_call, socketcall, x32) in enumerate(SOCKET_CALLS.get(
+    code = [("ld", 4)]   # seccomp_data: nr at 0, arch at 4, args[0] at 16, args[1] at 24
+    for i, (arch, socket_call, pair, socketcall, x32) in enumerate(SOCKET_CALLS.get(
             platform.machine(), [])):
         code += [("jeq", arch, f"arch{i}", f"next{i}"), f"arch{i}", ("ld", 0)]
         code += [("jge", x32, "deny", f"native{i}"), f"native{i}"] if x32 else []
         code += [("jeq", socketcall, "deny", f"direct{i}"), f"direct{i}"] if socketcall else []
-        code += [("jeq", socket_call, f"socket{i}", "allow"), f"socket{i}", ("ld", 16),
+        for n, call in enumerate(IO_URING):
+            code += [("jeq", call, "deny", f"uring{i}.{n}"), f"uring{i}.{n}"]
+        code += [("jeq", pair, f"pair{i}", f"single{i}"), f"pair{i}", ("ld", 24),
+                 ("and", 0xF), ("jeq", SOCK_STREAM, "allow", f"seq{i}"), f"seq{i}",
+                 ("jeq", SOCK_SEQPACKET, "allow", "deny"), f"single{i}",
+                 ("jeq", socket_call, f"socket{i}", "allow"), f"socket{i}", ("ld", 16),
                  ("jeq", AF_UNIX, "deny", "allow"), f"next{i}"]
     if len(code) == 1:
         return b""
@@ -2687,7 +2735,7 @@ def unix_socket_filter() -> bytes:
         else:
             n += 1
     program, n = b"", 0
-    ops = {"ld": 0x20, "jeq": 0x15, "jge": 0x35, "ret": 0x06}
+    ops = {"ld": 0x20, "jeq": 0x15, "jge": 0x35, "and": 0x54, "ret": 0x06}
     for item in code:
         if isinstance(item, str):
             continue
@@ -2704,6 +2752,7 @@ NETWORK_SIGNS = re.compile(r"Network is unreachable|Temporary failure in name re
                            r"ENETUNREACH|EAI_AGAIN|ENOTFOUND|nodename nor servname|"
                            r"No address associated with hostname|Failed to establish a new "
                            r"connection|Connection refused|unable to access 'http", re.I)
+EPERM_SIGNS = re.compile(r"Operation not permitted|EPERM")
 
 
 def sandbox_hint(output, level) -> str:
@@ -2714,7 +2763,9 @@ def sandbox_hint(output, level) -> str:
                 "a command that is meant to change things.]")
     what = ("read-only file system: the sandbox allows writes only in the workspace (not "
             "its .git) and /tmp" if READ_ONLY_SIGNS.search(output) else
-            "no network: the sandbox allows none" if NETWORK_SIGNS.search(output) else "")
+            "no network: the sandbox allows none" if NETWORK_SIGNS.search(output) else
+            "operation not permitted: the sandbox allows no unix sockets (a server on one, a "
+            "multiprocessing Manager) and no privileges" if EPERM_SIGNS.search(output) else "")
     return (f"\n[sandbox: {what}. If the command must do this, call run_shell again with "
             f"outside_sandbox saying why; the user will be asked.]" if what else "")
 
@@ -4277,7 +4328,12 @@ READS_ONLY = {"ls", "cat", "head", "tail", "wc", "grep", "egrep", "fgrep", "rg",
               "sha256sum", "test", "["}
 GIT_READS = {"status", "diff", "log", "show"}
 EDITS = {"write_file", "edit_file"}
+COMMAND_LINE_CAP = 4096   # characters of a command line this reads; a longer one always asks
 PRIVILEGED = {"sudo", "doas", "su", "pkexec", "run0"}   # a rule never covers these
+# Programs that run the command after them: a rule for `timeout` would allow any command.
+WRAPPERS = {"env", "time", "timeout", "nice", "ionice", "nohup", "stdbuf", "xargs", "exec",
+            "command", "builtin", "eval", "chroot", "setsid", "unshare", "flock", "watch",
+            "strace", "ltrace", "gdb", "busybox", "find"}
 INTERPRETERS = re.compile(r"python[0-9.]*|node|bash|sh|zsh|ruby|perl|php")
 # Programs whose next words say what they do ('npm run build', 'git commit'): a rule keeps them.
 SUBCOMMANDS = {"git", "npm", "pnpm", "yarn", "npx", "cargo", "go", "pip", "pip3", "poetry", "uv",
@@ -4308,22 +4364,48 @@ def unasked(session, name, plan) -> str:
 
 def reads_only(command) -> bool:
     """True if every part of a command line is one of the commands that only read."""
-    parts = command_parts(command)
-    return bool(parts) and all(part_reads_only(words) for words in parts)
+    parts, globbed = command_parts(command), unquoted_wildcards(command)
+    return bool(parts) and all(part_reads_only(words, globbed) for words in parts)
 
 
-def part_reads_only(words) -> bool:
+def part_reads_only(words, globbed=False) -> bool:
     """True if one simple command, as words, only reads: ls, cat, grep, git status, ... and
     none of the options by which a reader runs another program (rg --pre, git --ext-diff)."""
-    if any(RUNS_PROGRAMS.match(word) for word in words[1:]):
+    if runs_programs(words, globbed):
         return False
     if words[0] == "git":   # git's own options first (-C dir, -c key=value) stay a question
         return len(words) > 1 and words[1] in GIT_READS
     return words[0] in READS_ONLY
 
 
+def runs_programs(words, globbed) -> bool:
+    """True if a simple command may run another program or write where it is told, by its
+    options: rg --pre, git --ext-diff or --output; or, globbed (the line has a wildcard the
+    shell will expand first), if it is rg or git: rg foo * in a folder that holds a file
+    named --pre=sh."""
+    return any(RUNS_PROGRAMS.match(word) for word in words[1:]) or \
+        (globbed and words[0] in ("rg", "git"))
+
+
+def unquoted_wildcards(command) -> bool:
+    """True if the shell would expand a * ? [ or { in command: one outside quotes."""
+    quote, escaped = "", False
+    for c in command:
+        if escaped:
+            escaped = False
+        elif c == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "*?[{":
+            return True
+    return False
+
+
 RUNS_PROGRAMS = re.compile(r"--(pre|pre-glob|ext-diff|textconv|exec|upload-pack|"
-                           r"receive-pack|config-env)\b")
+                           r"receive-pack|config-env|output)\b")
 
 
 def command_parts(command) -> Optional[list]:
@@ -4333,7 +4415,8 @@ def command_parts(command) -> Optional[list]:
     a comment or a line break."""
     # subtle: bash's $'…' and $"…" quote differently from shlex ($'\'' ends nothing), and
     # shlex would split a word at a letter it does not know
-    if re.search(r"[`#\n\r]|\$[({'\"]|[<>]\(", command) or not command.isascii():
+    if re.search(r"[`#\n\r]|\$[({'\"]|[<>]\(", command) or not command.isascii() or \
+            len(command) > COMMAND_LINE_CAP:   # subtle: shlex takes quadratic time on a long one
         return None
     # fds joined or sent to /dev/null write nothing anyone keeps: 2>&1, >/dev/null, &>/dev/null
     plain = re.sub(r"(?<![^\s;&|])(?:[0-9]?>&[0-9]|(?:[0-9&]?>>?)\s*/dev/null)(?=[\s;&|]|$)",
@@ -4352,7 +4435,8 @@ def command_parts(command) -> Optional[list]:
                 return None
             if not words and token != ";":   # '&& ls', 'ls | | wc': not a plain line
                 return None
-            parts, words = parts + [words] * bool(words), []
+            parts += [words] if words else []
+            words = []
         elif token and set(token) <= set("();<>|&"):   # any other operator: <, >, (, &, ;;
             return None
         else:
@@ -4367,10 +4451,10 @@ def matching_rules(session, command) -> str:
     parts, rules = command_parts(command), load_rules(session)
     if not parts or not rules:
         return ""
-    used = []
+    used, globbed = [], unquoted_wildcards(command)
     for words in parts:
         rule = next((r for r in rules if words[:len(shlex.split(r))] == shlex.split(r)), None)
-        if rule is None:
+        if rule is None or runs_programs(words, globbed):   # rg's rule is not rg --pre=sh's
             return ""
         used += [f"`{rule}`"] if f"`{rule}`" not in used else []
     return ", ".join(used)
@@ -4382,7 +4466,8 @@ def rules_for(command) -> list:
     'python3 manage.py'); [] if some part can have none, so that [a]lways is not offered."""
     rules = []
     for words in command_parts(command) or [[]]:
-        if not words or words[0] in PRIVILEGED:
+        if not words or words[0] in PRIVILEGED or words[0] in WRAPPERS or \
+                runs_programs(words, unquoted_wildcards(command)):
             return []
         prefix, rest = [words[0]], words[1:]
         if INTERPRETERS.fullmatch(os.path.basename(words[0])):   # the script, or the module
@@ -4474,10 +4559,11 @@ def snapshot(cfg, kind, **about) -> dict:
     """Commit the workspace as it is to the shadow repository, as a checkpoint of this kind
     ("turn": before a turn's first change; "undo": before a restore). Returns its record."""
     git = shadow(cfg, CHECKPOINT_SECONDS)
-    tree, _ = stage(cfg, git)
-    # what is there but not kept (ignored, or too big), so that no undo takes it for new
-    # since and removes it: git's own list, whole ignored folders as one 'name/'
-    unkept = git("ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory")
+    tree, _, left_out = stage(cfg, git)
+    # what is there but not kept (ignored, too big, a repository), so that no undo takes it
+    # for new since and removes it: git's own list, whole ignored folders as one 'name/'
+    unkept = git("ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                 "--directory") + "\0".join(left_out)
     parent = git("rev-parse", "-q", "--verify", CHECKPOINTS, check=False).strip()
     record = dict(kind=kind, time=round(time.time()), **about,
                   unkept=git("hash-object", "-w", "--stdin", stdin=unkept.encode(
@@ -4490,10 +4576,9 @@ def snapshot(cfg, kind, **about) -> dict:
 
 def stage(cfg, git) -> tuple:
     """Put the workspace as it is into the shadow index, big files and repositories of their
-    own left out: (its tree's id, the repositories left out, as 'name/')."""
-    exclude = os.path.join(git.folder, "info", "exclude")
-    with private_file(exclude, "wb") as f:   # subtle: what was left out last time is weighed
-        f.write(user_excludes(cfg.root))      # again, so it is listed again: none of it here
+    own left out: (its tree's id, the repositories left out, as 'name/', all left out)."""
+    with private_file(os.path.join(git.folder, "info", "exclude"), "wb") as f:
+        f.write(user_excludes(cfg.root))   # what git status leaves out, the workspace's own
     listed = git("ls-files", "-z", "--others", "--modified", "--exclude-standard")
     # a name ending in / is a repository inside the workspace (git stops at its .git): its
     # files are its own, and one with no commit yet would make `git add` fail outright
@@ -4505,16 +4590,15 @@ def stage(cfg, git) -> tuple:
             continue
         if stat.S_ISREG(info.st_mode) and info.st_size > CHECKPOINT_FILE_CAP:
             left_out.append(name)
-    with private_file(exclude, "wb") as f:   # the user's own exclusions, and what is left out
-        f.write(user_excludes(cfg.root) + b"".join(
-            b"/" + re.sub(rb"([\\*?\[!# ])", rb"\\\1", os.fsencode(name)) + b"\n"
-            for name in sorted(left_out)))
+    # subtle: named as literal pathspecs, each ended by a NUL: a name may hold *, a newline
+    literal = [b":(literal)" + os.fsencode(n.rstrip("/")) for n in left_out]
     if left_out:   # once kept, now too big or a repository: kept no longer
         git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--pathspec-from-file=-",
-            "--pathspec-file-nul", stdin=b"\0".join(os.fsencode(n.rstrip("/"))
-                                                    for n in left_out))
-    git("add", "-A")
-    return git("write-tree").strip(), sorted(n for n in left_out if n.endswith("/"))
+            "--pathspec-file-nul", stdin=b"\0".join(literal))
+    git("add", "-A", "--pathspec-from-file=-", "--pathspec-file-nul",
+        stdin=b"\0".join([b"."] + [b":(exclude," + n[2:] for n in literal]))
+    return (git("write-tree").strip(), sorted(n for n in left_out if n.endswith("/")),
+            left_out)
 
 
 def user_excludes(root) -> bytes:
@@ -4590,7 +4674,7 @@ def undo(cfg, confirm, wanted="", which=None) -> tuple:
     Returns (the checkpoint, what was done in words): (None, '') if there is nothing to put
     back, (the checkpoint, '') if the user said no."""
     git = shadow(cfg, RESTORE_SECONDS)
-    now, repositories = stage(cfg, git)
+    now, repositories, _ = stage(cfg, git)
     if which is None:
         which = next((c for c in checkpoints_of(cfg, git) if c.get("kind") == "turn" and
                       c.get("session") == wanted and c["tree"] != now), None)
@@ -4598,8 +4682,9 @@ def undo(cfg, confirm, wanted="", which=None) -> tuple:
         return None, ""
     changes = git("diff", "--stat=100", "--no-renames", now, which["tree"]).rstrip()
     if repositories:   # say what is not covered, before the question
-        changes += (f"\n(not put back: {', '.join(repositories[:5])}, repositories of their "
-                    f"own, whose files the checkpoints leave to them)")
+        names = [name if shows_as_is(name) else repr(name) for name in repositories[:5]]
+        changes += (f"\n(not put back: {', '.join(names)}, repositories of their own, whose "
+                    f"files the checkpoints leave to them)")
     if not confirm(changes):
         return which, ""
     snapshot(cfg, "undo", session=wanted)   # what is undone can be put back in turn (/rewind)

@@ -2204,16 +2204,27 @@ class OsSandboxTest(unittest.TestCase):
         subprocess.run(["git", "init", "-q", "--separate-git-dir",
                         os.path.join(repo, ".realgit"), os.path.join(repo, "linked")],
                        check=True, capture_output=True)
-        result = shell(sandboxed(self, repo), "echo x > file.txt; for g in .git vendor/lib/.git "
-                       ".realgit; do echo evil > $g/hooks/pre-commit; done; mv .git gone; "
-                       "git init -q planted")
-        self.assertTrue(os.path.exists(os.path.join(repo, "file.txt")))
-        for git in (".git", "vendor/lib/.git", ".realgit"):
-            self.assertFalse(os.path.exists(os.path.join(repo, git, "hooks", "pre-commit")))
+        subprocess.run(["git", "-C", repo, "config", "core.hooksPath", ".husky"], check=True)
+        os.makedirs(os.path.join(repo, ".husky"))
+        os.makedirs(os.path.join(repo, "vendor", "up"))
+        os.symlink("../..", os.path.join(repo, "vendor", "up", ".git"))   # a link to the root
+        cfg = sandboxed(self, repo)
+        result = shell(cfg, "echo x > file.txt; for g in .git vendor/lib/.git .realgit .husky; "
+                       "do echo evil > $g/pre-commit; done; mv .git gone; git init -q planted; "
+                       "git init -q --bare bare")
+        self.assertTrue(os.path.exists(os.path.join(repo, "file.txt")))   # the root: writable
+        for git in (".git", "vendor/lib/.git", ".realgit", ".husky"):
+            self.assertFalse(os.path.exists(os.path.join(repo, git, "pre-commit")), git)
         self.assertTrue(os.path.isdir(os.path.join(repo, ".git")), result)
-        self.assertIn("\nwarning: this command made %s: git runs the hooks and settings in "
-                      "there, outside the sandbox" % os.path.join(repo, "planted", ".git"),
-                      result)
+        for made in ("planted/.git", "bare"):
+            self.assertIn(os.path.join(repo, made), result.split("\nwarning: this command made "
+                                                                 "or replaced ")[1])
+        # a repository moved away and put back as a copy, hooks and all: replaced, and said
+        result = shell(cfg, "mkdir -p node_modules && mv vendor/lib node_modules/lib && "
+                       "cp -a node_modules/lib vendor/lib && echo x > vendor/lib/.git/hooks/h")
+        self.assertIn("warning: this command made or replaced %s" %
+                      os.path.join(repo, "vendor", "lib", ".git"), result)
+        self.assertIn("outside the sandbox, whenever it is used", result)
 
     def test_no_unix_socket_outside_can_be_reached(self):
         """A daemon's unix socket outside /run and /tmp (a docker.sock in the home folder) is
@@ -2228,13 +2239,29 @@ class OsSandboxTest(unittest.TestCase):
         listener.bind(os.path.join(away, "docker.sock"))
         listener.listen(1)
         listener.settimeout(0.3)
-        result = shell(cfg, "%s -c 'import socket, multiprocessing as m; a, b = m.Pipe(); "
-                       "a.send(7); print(\"pipe\", b.recv()); s = socket.socket(socket.AF_UNIX);"
-                       " s.connect(\"%s\")'" % (sys.executable, os.path.join(away, "docker.sock")))
+        script = os.path.join(WORK, "sockets-%08x.py" % random.getrandbits(32))
+        self.addCleanup(os.unlink, script)
+        with open(script, "w") as f:
+            f.write("import ctypes, socket, multiprocessing as m, sys\n"
+                    "a, b = m.Pipe()\na.send(7)\nprint('pipe', b.recv())\n"
+                    "libc = ctypes.CDLL(None, use_errno=True)\n"   # io_uring_setup(1, NULL)
+                    "print('io_uring', libc.syscall(425, 1, None), ctypes.get_errno())\n"
+                    "for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):\n"
+                    "    try:\n        socket.socketpair(socket.AF_UNIX, kind)\n"
+                    "        print(kind, 'pair made')\n"
+                    "    except OSError as e:\n        print(kind, 'pair refused', e.errno)\n"
+                    "socket.socket(socket.AF_UNIX).connect(sys.argv[1])\n")
+        result = shell(cfg, "%s %s %s" % (sys.executable, script,
+                                          os.path.join(away, "docker.sock")))
         with self.assertRaises(socket.timeout):
             listener.accept()
         self.assertIn("pipe 7", result)
+        self.assertIn("io_uring -1 1\n", result)   # EPERM, where it would be EFAULT (14)
+        self.assertIn("%d pair refused 1" % socket.SOCK_DGRAM, result)
+        self.assertIn("%d pair made" % socket.SOCK_STREAM, result)
         self.assertIn("PermissionError: [Errno 1] Operation not permitted", result)
+        self.assertIn("[sandbox: operation not permitted: the sandbox allows no unix sockets",
+                      result)
 
     def test_there_is_no_network(self):
         """A server listening on this machine's 127.0.0.1 cannot be reached from inside, and
@@ -2270,7 +2297,8 @@ class OsSandboxTest(unittest.TestCase):
                 f.write("SECRET-%s\n" % name)
         cfg = sandboxed(self, home=home, shell_env=dict(
             CFG.shell_env, HOME=home, GITHUB_TOKEN="SECRET", OPENAI_KEY="SECRET",
-            GITLAB_PAT="SECRET", DATABASE_URL="postgres://me:SECRET@db/x", PLAIN="ok"))
+            GITLAB_PAT="SECRET", DATABASE_URL="postgres://me:SECRET@db/x", MYSQL_PWD="SECRET",
+            SMTP_PASS="SECRET", CI_JOB_JWT="SECRET", SENTRY_DSN="SECRET", PLAIN="ok"))
         result = shell(cfg, "cat $HOME/.ssh/id_ed25519 $HOME/.netrc $HOME/.aws/credentials; env;"
                        " grep CapEff /proc/self/status; cat /proc/%d/cmdline || echo not seen"
                        % os.getpid())
@@ -3600,7 +3628,9 @@ class ModesAndRulesTest(unittest.TestCase):
                                ("python3 manage.py test", ["python3 manage.py"]),
                                ("make test && ./run.sh --fast", ["make test", "./run.sh"]),
                                ("python3 -c 'import os'", []), ("sudo make", []),
-                               ("echo x > f", [])]:
+                               ("echo x > f", []), ("timeout 60 pytest", []),
+                               ("env X=1 make", []), ("xargs rm", []),
+                               ("rg --pre=sh x", []), ("git diff --output=x", [])]:
             with self.subTest(command=command):
                 self.assertEqual(agent.rules_for(command), rules)
 
@@ -3616,16 +3646,24 @@ class ModesAndRulesTest(unittest.TestCase):
                    "npm test > out.txt": False, "npm test $(rm -rf x)": False,
                    "sudo make": False, "npm test | grep FAIL": False,
                    "npm test; rg --pre=rm .": False, "npm test $'\\'$' ; rm x ; '": False}
+        session.rules += ["rg", "git diff"]
+        allowed.update({"rg TODO src": True, "rg --pre=sh x": False, "rg foo *": False,
+                        "git diff --output=/root/.bashrc": False, "git diff HEAD": True,
+                        "npm test " + "x" * 5000: False})
         for command, expected in allowed.items():
             with self.subTest(command=command):
                 self.assertEqual(bool(agent.matching_rules(session, command)), expected)
 
     def test_a_reader_that_would_run_a_program_is_no_reader(self):
-        """rg --pre, git diff --ext-diff or --textconv run other programs: not read-only."""
+        """rg --pre, git diff --ext-diff or --textconv run other programs, and so may rg or git
+        given a word the shell expands (a file named --pre=sh): not read-only."""
         for command, reads in (("rg TODO src", True), ("rg --pre python3 x .", False),
                                ("rg --pre=rm -e x .", False), ("git log -5", True),
                                ("git diff --ext-diff", False), ("git -c a=b log", False),
-                               ("git show --textconv HEAD", False), ("cat a | wc -l", True)):
+                               ("git show --textconv HEAD", False), ("cat a | wc -l", True),
+                               ('rg "def .*test" src', True), ("rg foo *", False),
+                               ("rg {--pre=sh,foo} x", False), ("git diff *", False),
+                               ("cat *.py", True), ("git log -- '*.py'", True)):
             with self.subTest(command=command):
                 self.assertEqual(agent.reads_only(command), reads)
 
@@ -3891,7 +3929,13 @@ class CheckpointTest(unittest.TestCase):
         with open(os.path.join(root.encode(), b"big\xff.bin"), "wb") as f:
             f.write(b"x" * 5000)
         subprocess.run(["git", "init", "-q", os.path.join(root, "empty")], check=True)
-        script = [calls(tool_call("write_file", path="a.txt", content="changed\n")), reply("ok")]
+        subprocess.run(["git", "init", "-q", os.path.join(root, "r\nsrc")], check=True)
+        os.makedirs(os.path.join(root, "src"))   # which a pattern '/r' + 'src/' would lose
+        with open(os.path.join(root, "src", "kept.txt"), "w") as f:
+            f.write("kept\n")
+        script = [calls(tool_call("write_file", path="a.txt", content="changed\n"),
+                        tool_call("write_file", path="src/kept.txt", content="changed\n")),
+                  reply("ok")]
         with unittest.mock.patch.object(agent, "CHECKPOINT_FILE_CAP", 4000):
             with CannedServer(script) as server:
                 session = agent.new_session(config(server.url, "--yes", "--root", root))
@@ -3899,8 +3943,10 @@ class CheckpointTest(unittest.TestCase):
                     agent.run_turn(session, "q")
                     agent.undo_in_session(session, None)
         self.assertNotIn("checkpoints off", err.getvalue())
-        self.assertIn("(not put back: empty/, repositories of their own", err.getvalue())
+        self.assertIn("(not put back: empty/, 'r\\nsrc/', repositories of their own",
+                      err.getvalue())
         self.assertEqual(contents(root)["a.txt"], "one\n")
+        self.assertEqual(contents(root)["src/kept.txt"], "kept\n")
         self.assertTrue(os.path.exists(os.path.join(root.encode(), b"big\xff.bin")))
         shadow = os.path.join(STATE, "agent-loop", "checkpoints",
                               agent.workspace_key(session.cfg))
