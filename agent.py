@@ -3971,18 +3971,20 @@ class McpServer:
         which may not be cancelled); an answer that still comes is ignored."""
         waiting = self.pending.pop(number, None)
         if waiting and waiting.method != "initialize":
-            try:
-                self.notify("notifications/cancelled", {"requestId": number, "reason": reason})
+            try:   # subtle: quickly, as a user who pressed Ctrl+C is waiting for it
+                self.notify("notifications/cancelled", {"requestId": number, "reason": reason},
+                            MCP_STOP_SECONDS)
             except McpError:
                 pass   # it has gone, or stopped listening: there is nothing to stop
         self.transport.abandon(number)
 
-    def notify(self, method, params=None):
-        """Send a notification: a message that gets no answer."""
+    def notify(self, method, params=None, seconds=None):
+        """Send a notification, a message that gets no answer, within seconds (else the
+        server's timeout)."""
         message = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
-        self.transport.send(message)
+        self.transport.send(message, seconds)
 
     def receive(self, message):
         """What the transport read from the server: an answer to one of our requests, a
@@ -4081,7 +4083,8 @@ class McpServer:
         data = params.get("data")
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
         logger = f"{str(params['logger'])[:100]}: " if params.get("logger") else ""
-        line = f"{time.strftime('%H:%M:%S')} {str(params.get('level'))[:20]}: {logger}{text}\n"
+        line = printable(f"{time.strftime('%H:%M:%S')} {str(params.get('level'))[:20]}: "
+                         f"{logger}{text}".replace("\n", " ")) + "\n"   # safe to cat
         self.logged += len(line)
         if self.logged > MCP_LOG_CAP:
             line = f"[over {human_size(MCP_LOG_CAP)} of log messages: the rest are left out]\n"
@@ -4154,12 +4157,12 @@ class StdioTransport:
         self.gone = True
         self.server.lost()
 
-    def send(self, message):
-        """Write one message, as one line, within the server's timeout."""
+    def send(self, message, seconds=None):
+        """Write one message, as one line, within seconds (else the server's timeout)."""
         # subtle: a server that has stopped reading would make a plain write wait for ever:
         # its stdin does not block, and each piece is written as the pipe takes it
         data = memoryview(json.dumps(message).encode() + b"\n")
-        deadline = time.monotonic() + self.server.timeout
+        deadline = time.monotonic() + (seconds or self.server.timeout)
         with self.lock:
             while data:
                 try:
@@ -4513,15 +4516,16 @@ class HttpTransport:
     def open(self):
         """Nothing to start: the server runs on its own; the first POST is initialize."""
 
-    def send(self, message):
+    def send(self, message, seconds=None):
         """POST one message. A request's answer is read in a thread of its own (exchange());
-        anything else needs only to be taken."""
+        anything else needs only to be taken, within seconds (else the server's timeout)."""
         if "method" in message and "id" in message:
             threading.Thread(target=self.exchange, args=(message,), daemon=True).start()
             return
         connection = None
         try:
-            connection, _, response = self.connect("POST", message, self.server.timeout)
+            connection, _, response = self.connect("POST", message,
+                                                   seconds or self.server.timeout)
             status = response.status
         except (OSError, http.client.HTTPException, ValueError) as e:
             raise self.unreachable(e) from None

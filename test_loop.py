@@ -3662,7 +3662,7 @@ class McpHttpHandler(BaseHTTPRequestHandler):
         if method == "tools/list":
             return self.events(b"id: p1\ndata:\n\n", {"jsonrpc": "2.0", "method":
                                "notifications/message", "params": {"level": "info",
-                                                                   "data": "listing"}},
+                                                                   "data": "list\x1b[2J"}},
                                answer({"tools": self.TOOLS}))
         name = body["params"]["name"]
         text = lambda words: answer({"content": [{"type": "text", "text": words}]})
@@ -3754,7 +3754,8 @@ class McpHttpTest(unittest.TestCase):
             self.assertEqual((request["headers"]["Mcp-Session-Id"],
                               request["headers"]["MCP-Protocol-Version"]), ("s1", "2025-06-18"))
         self.assertEqual(len(deleted), 1)
-        self.assertTrue(any("info: listing" in line for line in lines_of(remote.log)))
+        self.assertTrue(any(line.endswith("info: list\\x1b[2J")   # a log safe to cat
+                            for line in lines_of(remote.log)))
 
     def test_a_forgotten_session_is_begun_again_once(self):
         """A 404 to a request that carried the session: a new initialize, without it, and the
