@@ -3571,18 +3571,21 @@ def start_mcp(session):
     for problem in session.cfg.mcp_problems:   # entries left out as they were read, each alone
         session.say(f"mcp: {problem['error']}", YELLOW)
         session.mcp_failed.append(problem)
+    # each server as allowed: a stdio one by the program its own PATH finds, if any
     for name, spec in session.cfg.mcp.items():
         if spec["type"] == "stdio":
             spec["env"] = dict(session.cfg.shell_env, **spec["env"])   # all it will get
             spec["program"] = find_program(spec["command"], spec["env"], session.cfg.root)
             if not spec["program"]:
-                mcp_failed(session, name, f"cannot run {spec['command']!r}: not found on its "
+                say_failed(session, name, f"cannot run {spec['command']!r}: not found on its "
                                           f"PATH")
                 continue
         if may_start(session, name, spec):
             session.servers.append(McpServer(name, spec, session))   # stop_mcp() stops these
         else:
             session.mcp_failed.append({"name": name, "error": "not allowed to start"})
+    # side by side, as a server may take seconds to start (npx fetching a package, say); one
+    # still starting when the longest timeout is up is given up on
     starting = [threading.Thread(target=s.start, daemon=True) for s in session.servers]
     for thread in starting:
         thread.start()
@@ -3595,10 +3598,10 @@ def start_mcp(session):
         if server.state == "ready":
             offer_tools(session, server)
         else:
-            mcp_failed(session, server.name, server.state.replace("failed: ", "", 1))
+            say_failed(session, server.name, server.state.replace("failed: ", "", 1))
 
 
-def mcp_failed(session, name, error):
+def say_failed(session, name, error):
     """Say that a server failed, in one line, and keep it for --json's mcp_failed."""
     session.say(f"mcp: {name}: failed: {error}", YELLOW)
     session.mcp_failed.append({"name": name, "error": error})
@@ -3639,6 +3642,7 @@ def refresh_mcp(session):
     for server in session.servers:
         kinds = set(server.changed)   # subtle: a copy, as the reader may add to it meanwhile
         server.changed -= kinds
+        kinds = {kind for kind in kinds if kind in server.capabilities or getattr(server, kind)}
         if server.state != "ready" or not kinds:
             continue
         try:
@@ -3764,12 +3768,12 @@ def url_required(server, tool, error) -> str:
     urls = []
     for asked in found[:5] if isinstance(found, list) else []:
         url = asked.get("url") if isinstance(asked, dict) else None
-        if not isinstance(url, str) or not re.match(r"https?://[^/\s]", url) or len(url) > 2000:
+        host = web_host(url)
+        if not host or len(url) > 2000:
             continue   # not a web address: nothing a user should be sent to open
         why = one_line(str(asked.get("message") or ""), 200)
-        server.session.say(f"  mcp {server.name}: {tool} needs you to open a page on "
-                           f"{urllib.parse.urlsplit(url).hostname}" + (f": {why}" if why else ""),
-                           YELLOW)
+        server.session.say(f"  mcp {server.name}: {tool} needs you to open a page on {host}" +
+                           (f": {why}" if why else ""), YELLOW)
         server.session.say(f"    {url}", BOLD)   # say() makes it printable: what shows is it
         urls.append(url)
     if not urls:
@@ -3778,6 +3782,15 @@ def url_required(server, tool, error) -> str:
     return (f"error: mcp_needs_user: {server.name} {tool} needs the user to open "
             f"{' and '.join(urls)} in a browser first; they have been shown it. Tell them so, "
             f"and call the tool again once they say they have done it.")
+
+
+def web_host(url) -> str:
+    """The host of an http(s) URL, as a browser would reach it; '' for anything else."""
+    try:
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        return parts.hostname or "" if parts and parts.scheme in ("http", "https") else ""
+    except ValueError:   # "https://[" and the like
+        return ""
 
 
 def tool_name(server, tool, taken) -> str:
