@@ -3172,6 +3172,8 @@ for line in sys.stdin:
             {"role": "user", "content": {"type": "image", "data": "aGk=", "mimeType": "x"}}]}})
     elif method == "resources/list":
         send({"jsonrpc": "2.0", "id": request["id"], "result": {"resources": RESOURCES}})
+        if "deaf" in sys.argv:   # its last list given, it never reads again
+            time.sleep(60)
     elif method == "resources/read":
         uri = request["params"]["uri"]
         contents = [{"uri": uri, "text": "notes " * 5000}] if uri == "test://notes" else \
@@ -3183,8 +3185,6 @@ for line in sys.stdin:
         if "dupes" in sys.argv:   # every tool twice, and pages that never end
             page = {"tools": TOOLS[:2] * 2, "nextCursor": "again"}
         send({"jsonrpc": "2.0", "id": request["id"], "result": page})
-        if "deaf" in sys.argv and second:   # from now on, never read again
-            time.sleep(60)
     elif method == "tools/call":
         name, arguments = request["params"]["name"], request["params"].get("arguments") or {}
         if name == "echo":
