@@ -3569,7 +3569,8 @@ class McpTest(unittest.TestCase):
 # An MCP server over streamable HTTP, standard library only: it names a session in its answer
 # to initialize and answers 404 to any other session (server.session = None expires it); it
 # answers some requests with JSON, others with a stream of events (a log message first, or
-# progress), takes notifications with 202, has no GET stream of its own (405) but for a stream
+# progress), takes notifications with 202, has a GET stream of its own only if server.unasked
+# is set (it says its tools changed, then holds the stream open), else 405 but for a stream
 # that broke off (resume), and records every request and every notifications/cancelled.
 
 class McpHttpServer(ThreadingHTTPServer):
@@ -3579,7 +3580,7 @@ class McpHttpServer(ThreadingHTTPServer):
     def __init__(self):
         super().__init__(("127.0.0.1", 0), McpHttpHandler)
         self.requests, self.cancels, self.sessions, self.session = [], [], 0, None
-        self.redirect, self.hung_up = False, threading.Event()
+        self.redirect, self.unasked, self.hung_up = False, False, threading.Event()
 
     @property
     def url(self):
@@ -3633,7 +3634,8 @@ class McpHttpHandler(BaseHTTPRequestHandler):
                 self.wfile.flush()
                 time.sleep(pause)
             while forever:
-                self.wfile.write(b"data: %s\n\n" % json.dumps(forever).encode())
+                self.wfile.write(forever if isinstance(forever, bytes) else
+                                 b"data: %s\n\n" % json.dumps(forever).encode())
                 self.wfile.flush()
                 time.sleep(0.05)
         except OSError:   # the client has hung up
@@ -3694,6 +3696,9 @@ class McpHttpHandler(BaseHTTPRequestHandler):
                 self.headers.get("Mcp-Session-Id") == self.server.session:
             return self.events(b"id: r2\n" + b"data: %s\n\n" % json.dumps(
                 self.server.resumed).encode())
+        if self.server.unasked:
+            return self.events({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"},
+                               forever=b": still here\n\n")
         self.answer(405)
 
     def do_DELETE(self):
@@ -3789,6 +3794,22 @@ class McpHttpTest(unittest.TestCase):
         self.assertEqual(server.cancels, [{"requestId": hang["id"],
                                            "reason": "no answer within 0.3 s"}])
         self.assertEqual(hang["params"]["_meta"], {"progressToken": hang["id"]})
+
+    def test_what_the_server_says_unasked_comes_on_a_get_stream(self):
+        """After the handshake a GET stream is opened, in the session, for what the server says
+        unasked: a tool list that changed is noted there, to be read at the next question."""
+        with McpHttpServer() as server:
+            server.unasked = True
+            session, _ = self.start(server)
+            remote = session.servers[0]
+            for _ in range(100):
+                if remote.changed:
+                    break
+                time.sleep(0.02)
+            get = [r for r in server.requests if r["method"] == "GET"][0]
+        self.assertEqual(remote.changed, {"tools"})
+        self.assertEqual((get["headers"]["Accept"], get["headers"]["Mcp-Session-Id"]),
+                         ("text/event-stream", "s1"))
 
     def test_a_stream_that_breaks_off_is_resumed(self):
         """A stream that ends before its answer, having numbered its events, is asked for the
