@@ -4338,8 +4338,8 @@ def show_mcp(session):
             arguments = " ".join(a["name"] if a.get("required") else f"[{a['name']}]"
                                  for a in prompt.get("arguments") or []
                                  if isinstance(a, dict) and isinstance(a.get("name"), str))
-            session.say(one_line(f"  /{tool_name(server.name, prompt['name'], ())} {arguments}"
-                                 f"  {prompt.get('description') or ''}", 160))
+            command = f"/{tool_name(server.name, prompt['name'], ())} {arguments}".rstrip()
+            session.say(one_line(f"  {command}  {prompt.get('description') or ''}", 160))
         for resource in server.resources[:30]:
             session.say(one_line(f"  resource {resource['uri']}  {resource.get('name') or ''}",
                                  160))
