@@ -60,9 +60,9 @@ Glossary:
     say, show, emit   the three ways out: a line for the user on stderr; the model's reply (or
                 a preview) as the user reads it; an event for scripts (--json, --jsonl, --trace)
 
-Left out on purpose: images in the conversation, MCP over HTTP, and an OS sandbox for
-commands anywhere but Linux (there, bubblewrap; elsewhere a command the user allows can do
-what the user can).
+Left out on purpose: images in the conversation, OAuth for MCP servers (a token in a header
+does), and an OS sandbox for commands anywhere but Linux (there, bubblewrap; elsewhere a
+command the user allows can do what the user can).
 """
 from __future__ import annotations
 
@@ -149,8 +149,16 @@ COMMAND_CAP = 32 << 10  # bytes of a custom slash command's file; a bigger one i
 MODEL_CAP = 100        # models that /model lists (all are counted)
 
 MCP_PROTOCOL = "2025-11-25"  # the MCP version asked for; a server may answer with an older one
-MCP_SECONDS = 30       # seconds an MCP server may take to start, or to answer one request
-MCP_STOP_SECONDS = 2   # seconds an MCP server gets to leave when its stdin closes
+MCP_SECONDS = 30       # seconds an MCP server may stay silent: to start, or within a request,
+                       # each progress report starting them again (AGENT_MCP_TIMEOUT; "timeout")
+MCP_CALL_MAX = 3600    # seconds one MCP request may take however it reports progress; the most
+                       # a timeout may be
+MCP_STOP_SECONDS = 2   # seconds an MCP server gets to leave when its stdin closes, or its
+                       # session is ended (HTTP)
+MCP_PAGES = 100        # pages of one list (tools, prompts, resources) read from a server
+MCP_ITEMS = 1000       # items of one list kept
+MCP_RESUMES = 5        # times a stream of events that broke off is asked to go on (HTTP)
+MCP_LOG_CAP = 8 << 20  # bytes of a server's log messages written to its log file per session
 
 CONTEXT = 32_768       # tokens of context assumed when neither AGENT_CONTEXT nor the server says
 CHARS_PER_TOKEN = 3    # for guessing a size in tokens before the server has counted it
@@ -244,6 +252,7 @@ class Session:
     interrupted: bool = False              # Ctrl+C ended the turn: reads still running in
                                            # threads print nothing more
     servers: list = dataclasses.field(default_factory=list)   # MCP servers started
+    mcp_failed: list = dataclasses.field(default_factory=list)  # {"name", "error"} of the rest
     # the server (sections 9, 18-20)
     transport: Optional[Callable] = None   # request body -> reply JSON: post_chat, or a script
     token_param: str = "max_tokens"        # "max_completion_tokens" once a server insists
@@ -330,6 +339,7 @@ def run_turn(session, question) -> str:
     session.interrupted, session.streak = False, (None, 0)
     session.turns += 1
     close_turn(session, "[interrupted by the user]")   # mends a turn a Ctrl+C left open
+    refresh_mcp(session)   # tools an MCP server changed: offered from this question on (22)
     append(session, {"role": "user", "content": question})
     why = "max_turns"
     try:
@@ -823,7 +833,9 @@ def run_calls(session, reply, times):
 
 # A tool that can hold the interpreter for long inside one call (search, by way of Python's
 # regex engine, which lets no other thread run meanwhile) runs in the main thread, where the
-# time limit's alarm can stop it; other reads run in threads of their own, at most eight at once.
+# time limit's alarm can stop it; so does an MCP call (mcp__…), which may take minutes and must
+# hear a Ctrl+C at once, to tell its server to stop (section 22). Other reads run in threads of
+# their own, at most eight at once.
 MAIN_THREAD_ONLY = {"search"}
 
 
@@ -838,7 +850,7 @@ def run_reads(session, reads) -> list:
         with slots:
             results[i] = run_call(session, name, arguments, place)
     for i, (place, name, arguments) in enumerate(reads):
-        if len(reads) > 1 and name not in MAIN_THREAD_ONLY:
+        if len(reads) > 1 and name not in MAIN_THREAD_ONLY and not name.startswith("mcp__"):
             threads[i] = threading.Thread(target=run, args=(i, place, name, arguments),
                                           daemon=True)   # daemon: Ctrl+C need not wait for it
             threads[i].start()
@@ -3224,8 +3236,9 @@ def read_stream(session, response) -> dict:
 BOM = b"\xef\xbb\xbf"   # UTF-8's byte-order mark, which the SSE specification says to skip
 
 
-def sse_events(response):
-    """Yield (event, data) for each server-sent event, as soon as its bytes arrive."""
+def sse_events(response, seen=None):
+    """Yield (event, data) for each server-sent event, as soon as its bytes arrive. seen, if
+    given, keeps the last "id" and "retry" the stream named (an MCP stream resumes by them)."""
     # Only the bytes just read are searched for line ends, so a long line costs its length
     # once, not once per read; a line or an event longer than REPLY_CAP is refused, not held.
     line, event, data, held = bytearray(), "message", [], 0   # held: bytes of data so far
@@ -3264,6 +3277,8 @@ def sse_events(response):
                     held += len(value) + 1
                 elif field == b"event":
                     event = value.decode("utf-8", "replace")
+                elif field in (b"id", b"retry") and seen is not None:
+                    seen[field.decode()] = value.decode("utf-8", "replace")
             if held > REPLY_CAP:   # an event of many lines, each of them short
                 raise too_long()
         if ended:
@@ -3718,70 +3733,151 @@ def text_call_ok(schemas, name, arguments) -> bool:
 # ----------------------------------------------------------------------------------------------
 # 22. MCP: tools from other programs
 # ----------------------------------------------------------------------------------------------
-# The Model Context Protocol lets any program offer tools. An MCP server here is a child
-# process spoken to over its stdin and stdout in JSON-RPC 2.0, one message per line: the
-# client says initialize (and which protocol version it speaks), then initialized, then asks
-# tools/list, page by page; each of those tools is offered to the model as mcp__SERVER__TOOL,
-# and a call to one becomes a tools/call request. The server may send requests of its own
-# (ping) and notifications; a reader thread answers the first and ignores the second. A
-# server that will not start, dies or goes quiet becomes an error result, never a hang.
-# Servers come from .mcp.json at the root, {"mcpServers": {NAME: {"command", "args", "env"}}}
-# (the file Claude Code and Cursor read), and from --mcp FILE.
+# The Model Context Protocol lets any program offer tools, and prompts and resources besides.
+# It is JSON-RPC 2.0 both ways: requests, each with an id and answered once, and notifications,
+# which have none. The client says initialize (the protocol version it speaks, and what it can
+# do for the server: here, name the workspace as its one root), then initialized; then it asks
+# tools/list, and prompts/list and resources/list if the server has those, page by page. Each
+# tool is offered to the model as mcp__SERVER__TOOL, and a call to one becomes tools/call, with
+# a progressToken: the call may go on as long as the server keeps reporting progress, and when
+# it goes quiet for longer than its timeout, or the user presses Ctrl+C, the server is told to
+# stop (notifications/cancelled). The server may ask things of its own: ping and roots/list
+# are answered, sampling and elicitation refused, as this client does not offer them. Its
+# notifications are progress, log messages (kept in its log file) and lists that changed,
+# applied at the start of the next question, never within a turn, whose requests must keep
+# sending the same tools. A server that will not start, dies or goes quiet becomes an error
+# result or a one-line warning, never a hang.
+#
+# McpServer is that protocol, whatever carries it; a transport carries it. StdioTransport, here,
+# starts the server as a child process and writes one message a line on its stdin, reading its
+# stdout; HttpTransport (22b) posts each message to a URL. Servers come from .mcp.json at the
+# root (the file Claude Code and Cursor read) and from --mcp FILE: {"mcpServers": {NAME:
+# {"command", "args", "env"} or {"type": "http", "url", "headers"}}}, each with a "timeout" in
+# seconds if the default (AGENT_MCP_TIMEOUT) will not do.
 
 def start_mcp(session):
-    """Start the configured MCP servers side by side; offer their tools to the model."""
-    for problem in session.cfg.mcp_problems:
-        session.say(f"mcp: {problem}", YELLOW)
+    """Start (or connect to) the configured MCP servers side by side; offer their tools."""
+    for problem in session.cfg.mcp_problems:   # entries left out as they were read, each alone
+        session.say(f"mcp: {problem['error']}", YELLOW)
+        session.mcp_failed.append(problem)
+    # each server as allowed: a stdio one by the program its own PATH finds, if any
     for name, spec in session.cfg.mcp.items():
-        spec["env"] = dict(session.cfg.shell_env, **spec["env"])   # all it will get
-        spec["program"] = find_program(spec["command"], spec["env"], session.cfg.root)
-        if not spec["program"]:
-            session.say(f"mcp: {name}: failed: cannot run {spec['command']!r}: not found on "
-                        f"its PATH", YELLOW)
-        elif may_start(session, name, spec):
-            session.servers.append(McpServer(name, spec))   # stop_mcp() stops what is here
-    starting = [threading.Thread(target=s.start, args=(session.cfg,), daemon=True)
-                for s in session.servers]
+        if spec["type"] == "stdio":
+            spec["env"] = dict(session.cfg.shell_env, **spec["env"])   # all it will get
+            spec["program"] = find_program(spec["command"], spec["env"], session.cfg.root)
+            if not spec["program"]:
+                say_failed(session, name, f"cannot run {spec['command']!r}: not found on its "
+                                          f"PATH")
+                continue
+        if may_start(session, name, spec):
+            session.servers.append(McpServer(name, spec, session))   # stop_mcp() stops these
+        else:
+            session.mcp_failed.append({"name": name, "error": "not allowed to start"})
+    # side by side, as a server may take seconds to start (npx fetching a package, say); one
+    # still starting when the longest timeout is up is given up on
+    starting = [threading.Thread(target=s.start, daemon=True) for s in session.servers]
     for thread in starting:
         thread.start()
+    deadline = time.monotonic() + max((s.timeout for s in session.servers), default=0) + 1
     for thread in starting:
-        thread.join(MCP_SECONDS + 1)
+        thread.join(max(deadline - time.monotonic(), 0))
     for server in session.servers:
         if server.state == "starting":
-            server.state = f"failed: it did not start within {MCP_SECONDS} s"
-        if server.state != "ready":
-            session.say(f"mcp: {server.name}: {server.state}", YELLOW)
+            server.state = f"failed: it did not start within {server.timeout:g} s"
+        if server.state == "ready":
+            offer_tools(session, server)
+        else:
+            say_failed(session, server.name, server.state.replace("failed: ", "", 1))
+
+
+def say_failed(session, name, error):
+    """Say that a server failed, in one line, and keep it for --json's mcp_failed."""
+    session.say(f"mcp: {name}: failed: {error}", YELLOW)
+    session.mcp_failed.append({"name": name, "error": error})
+
+
+def offer_tools(session, server):
+    """Offer a ready server's tools to the model as mcp__SERVER__TOOL: not those that need a
+    task to run (execution.taskSupport "required"; this client runs none), nor, read-only,
+    those not marked readOnlyHint."""
+    server.offered = []
+    for tool in server.tools:
+        hints = tool.get("annotations") if isinstance(tool.get("annotations"), dict) else {}
+        read_only = hints.get("readOnlyHint") is True
+        if needs_task(tool) or (session.cfg.read_only and not read_only):
             continue
-        for tool in server.tools:
-            hints = tool.get("annotations") if isinstance(tool.get("annotations"), dict) else {}
-            read_only = hints.get("readOnlyHint") is True
-            if session.cfg.read_only and not read_only:
-                continue
-            name = tool_name(server.name, tool["name"], session.handlers)
-            schema = tool.get("inputSchema")
-            session.tools.append({"type": "function", "function": {
-                "name": name, "description": str(tool.get("description") or tool["name"])[:1000],
-                "parameters": slim_schema(schema) if isinstance(schema, dict) else
-                {"type": "object", "properties": {}}}})
-            session.handlers[name] = mcp_handler(server, tool["name"], read_only)
-            if not read_only:
-                session.serial.add(name)
+        name = tool_name(server.name, tool["name"], session.handlers)
+        schema = tool.get("inputSchema")
+        session.tools.append({"type": "function", "function": {
+            "name": name, "description": str(tool.get("description") or tool["name"])[:1000],
+            "parameters": slim_schema(schema) if isinstance(schema, dict) else
+            {"type": "object", "properties": {}}}})
+        session.handlers[name] = mcp_handler(server, tool["name"], read_only)
+        server.offered.append(name)
+        if not read_only:
+            session.serial.add(name)
+
+
+def needs_task(tool) -> bool:
+    """True for a tool that can only run as a task (a call answered later, by polling)."""
+    execution = tool.get("execution")
+    return isinstance(execution, dict) and execution.get("taskSupport") == "required"
+
+
+def refresh_mcp(session):
+    """At the start of a question: read again the lists that servers said have changed, and
+    offer the tools anew if theirs did. Never within a turn: its requests must all send the
+    same tools, or the server's cache of the prompt is lost."""
+    for server in session.servers:
+        kinds = set(server.changed)   # subtle: a copy, as the reader may add to it meanwhile
+        server.changed -= kinds
+        kinds = {kind for kind in kinds if kind in server.capabilities or getattr(server, kind)}
+        if server.state != "ready" or not kinds:
+            continue
+        try:
+            lists = {kind: server.list_all(kind) for kind in sorted(kinds)}
+        except McpError as e:
+            session.say(f"mcp: {server.name}: its lists changed, but could not be read: {e}",
+                        YELLOW)
+            continue
+        for kind, items in lists.items():
+            setattr(server, kind, items)
+        before = [t for t in session.tools if t["function"]["name"] in server.offered]
+        saved = list(session.tools), dict(session.handlers), set(session.serial), server.offered
+        session.tools[:] = [t for t in session.tools if t not in before]
+        for name in server.offered:
+            session.handlers.pop(name, None)
+            session.serial.discard(name)
+        offer_tools(session, server)
+        after = [t for t in session.tools if t["function"]["name"] in server.offered]
+        if after == before:   # the same tools: left where they were, so the prefix holds
+            session.tools[:], server.offered = saved[0], saved[3]
+            session.handlers.update(saved[1])
+            session.serial.update(saved[2])
+        else:
+            session.say(f"(mcp: {server.name}'s tools changed: {len(after)} now; the model "
+                        f"sees the new list from this question on)", DIM)
 
 
 def may_start(session, name, spec) -> bool:
     """May this server start? --mcp ones may; one from the workspace's .mcp.json, if allowed.
     The question shows all that decides what runs: the program its PATH finds, where that
-    is, every argument, and every variable the file sets (PATH, LD_PRELOAD, NODE_OPTIONS…)."""
+    is, every argument, and every variable the file sets (PATH, LD_PRELOAD, NODE_OPTIONS…);
+    for an HTTP server, where it connects and the headers it sends (section 22b)."""
     if not spec["from_workspace"] or session.cfg.yes:
         return True
-    program, root = spec["program"], session.cfg.root
-    where = "INSIDE THE WORKSPACE" if inside(root, program) or \
-        inside(root, os.path.realpath(program)) else "on this machine"
-    given = {k: v for k, v in spec["env"].items() if session.cfg.shell_env.get(k) != v}
-    preview = "\n".join([f"$ {shlex.join([spec['command'], *spec['args']])}",
-                         f"# runs {program} ({where}), in an empty folder of its own"] +
-                        [f"# with {k}={v}" for k, v in sorted(given.items())])
-    shown = {"program": program, "args": spec["args"], "env": given}
+    if spec["type"] == "http":
+        preview = http_preview(spec, session.cfg.shell_env)
+        shown = spec["written"]
+    else:
+        program, root = spec["program"], session.cfg.root
+        where = "INSIDE THE WORKSPACE" if inside(root, program) or \
+            inside(root, os.path.realpath(program)) else "on this machine"
+        given = {k: v for k, v in spec["env"].items() if session.cfg.shell_env.get(k) != v}
+        preview = "\n".join([f"$ {shlex.join([spec['command'], *spec['args']])}",
+                             f"# runs {program} ({where}), in an empty folder of its own"] +
+                            [f"# with {k}={v}" for k, v in sorted(given.items())])
+        shown = {"program": program, "args": spec["args"], "env": given}
     allowed, _ = ask_permission(session, f"MCP server {name}", shown, Plan(preview, str))
     return allowed
 
@@ -3843,10 +3939,47 @@ def mcp_handler(server, tool, read_only):
             try:
                 return server.call(tool, arguments)
             except McpError as e:
+                if e.code == URL_ELICITATION_REQUIRED:
+                    return url_required(server, tool, e)
                 return f"error: mcp_error: {e}. Retrying may not help; try another way."
         preview = f"MCP {server.name}: {tool}({json.dumps(arguments, ensure_ascii=False)})"
         return Plan(preview, carry_out, needs_approval=not read_only)
     return handle
+
+
+URL_ELICITATION_REQUIRED = -32042   # the JSON-RPC error of a call the user must open a page for
+
+
+def url_required(server, tool, error) -> str:
+    """A call the server will only make once the user has opened a page (to sign in, say):
+    show the user each web address, with its host, and tell the model what is awaited."""
+    found = error.data.get("elicitations") if isinstance(error.data, dict) else None
+    urls = []
+    for asked in found[:5] if isinstance(found, list) else []:
+        url = asked.get("url") if isinstance(asked, dict) else None
+        host = web_host(url)
+        if not host or len(url) > 2000:
+            continue   # not a web address: nothing a user should be sent to open
+        why = one_line(str(asked.get("message") or ""), 200)
+        server.session.say(f"  mcp {server.name}: {tool} needs you to open a page on {host}" +
+                           (f": {why}" if why else ""), YELLOW)
+        server.session.say(f"    {url}", BOLD)   # say() makes it printable: what shows is it
+        urls.append(url)
+    if not urls:
+        return (f"error: mcp_error: {error}. The server asks the user to open a page, but "
+                f"named no web address to open.")
+    return (f"error: mcp_needs_user: {server.name} {tool} needs the user to open "
+            f"{' and '.join(urls)} in a browser first; they have been shown it. Tell them so, "
+            f"and call the tool again once they say they have done it.")
+
+
+def web_host(url) -> str:
+    """The host of an http(s) URL, as a browser would reach it; '' for anything else."""
+    try:
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        return parts.hostname or "" if parts and parts.scheme in ("http", "https") else ""
+    except ValueError:   # "https://[" and the like
+        return ""
 
 
 def tool_name(server, tool, taken) -> str:
@@ -3864,141 +3997,119 @@ def stop_mcp(session):
 
 
 class McpError(Exception):
-    """An MCP server failed to start, died, went quiet, or answered with an error."""
+    """An MCP server failed to start, died, went quiet, or answered with an error; code and
+    data are the JSON-RPC error's, when it was one."""
+
+    def __init__(self, message, code=None, data=None):
+        """message: one line, naming the server."""
+        super().__init__(message)
+        self.code, self.data = code, data
+
+
+# What this client can do for a server, told in initialize: give it the workspace as its one
+# root. Not sampling (a model of ours for the server's own use) nor elicitation (questions to
+# the user): their requests are refused.
+CLIENT_CAPABILITIES = {"roots": {"listChanged": False}}
+
+# The notifications that say one of the server's lists has changed.
+LIST_CHANGED = {"notifications/tools/list_changed": "tools",
+                "notifications/prompts/list_changed": "prompts",
+                "notifications/resources/list_changed": "resources"}
+
+
+@dataclasses.dataclass
+class Pending:
+    """A request sent to an MCP server, waiting for its answer."""
+    method: str
+    about: str                       # what it is about, for the progress line: the tool's name
+    heard: float                     # time.monotonic() of the last sign of work on it
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    answer: Optional[dict] = None    # the server's response: {"result": ...} or {"error": ...}
+    failure: str = ""                # why no answer will come, as the transport found
+    progress: bool = False           # progress was asked for: show it as it comes
+    shown: float = 0                 # when progress was last shown (0: not yet)
 
 
 class McpServer:
-    """One MCP server: a child process in its own process group, one JSON message per line."""
+    """One MCP server, over either transport: the client's half of the protocol."""
 
-    def __init__(self, name, spec):
-        """spec: {"command", "args", "env"}, with ${VAR} already filled in. start() starts it."""
-        self.name, self.spec, self.tools, self.state, self.version = name, spec, [], "", ""
-        self.pending, self.lock, self.ids = {}, threading.Lock(), itertools.count(1)
-        self.process, self.born, self.log, self.gone, self.reader = None, 0, "", False, None
+    def __init__(self, name, spec, session):
+        """spec: its entry of .mcp.json, checked, ${VAR} filled in. start() starts it."""
+        self.name, self.spec, self.session = name, spec, session
+        self.timeout = spec.get("timeout") or session.cfg.mcp_timeout   # seconds of silence
+        self.transport = HttpTransport(self) if spec["type"] == "http" else StdioTransport(self)
+        self.tools, self.prompts, self.resources, self.offered = [], [], [], []
+        self.state, self.version, self.capabilities, self.changed = "", "", {}, set()
+        self.pending, self.ids, self.log, self.logged = {}, itertools.count(1), "", 0
 
-    def start(self, cfg):
-        """Start the process, then the handshake and every page of tools/list; the state says
-        how it went: ready, or failed and why."""
+    def start(self):
+        """Start it, shake hands and read its lists; the state says how that went: ready, or
+        failed and why."""
         self.state = "starting"
         try:
-            self.log = os.path.join(private_folder(cfg, "mcp"), self.name + ".log")
-            adopt_orphans()
-            # subtle: not in the workspace, where `python3 -m x` or `npx x` would load the
-            # repository's own x, whatever the question showed
-            with private_file(self.log, "ab") as log:   # subtle: stderr to a file, not a pipe
-                self.process = subprocess.Popen(   # that nobody reads, which could fill up
-                    [self.spec["program"], *self.spec["args"]],
-                    cwd=private_folder(cfg, "mcp", "empty"),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                    env=self.spec["env"], start_new_session=True)
-            self.born = start_time(self.process.pid)
-            os.set_blocking(self.process.stdin.fileno(), False)   # see send()
-            self.reader = threading.Thread(target=self.read, daemon=True)
-            self.reader.start()
+            self.log = os.path.join(private_folder(self.session.cfg, "mcp"), self.name + ".log")
+            self.transport.open()
             self.handshake()
-        except (OSError, ValueError) as e:   # not executable, a NUL, a folder we can't use
-            self.state = f"failed: cannot run {self.spec['command']!r}: " \
-                         f"{getattr(e, 'strerror', None) or e}"
+            for kind in ("tools", "prompts", "resources"):
+                self.read_list(kind)
+            if self.state == "starting":   # not given up on meanwhile
+                self.state = "ready"
+        except OSError as e:   # a state folder that cannot be written
+            self.state = f"failed: {e.strerror or e}"
         except McpError as e:
             self.state = f"failed: {e}"
 
     def handshake(self):
-        """initialize, initialized, then tools/list until there is no nextCursor."""
+        """initialize, saying what this client can do; then initialized."""
         hello = self.request("initialize", {
-            "protocolVersion": MCP_PROTOCOL, "capabilities": {},
+            "protocolVersion": MCP_PROTOCOL, "capabilities": CLIENT_CAPABILITIES,
             "clientInfo": {"name": "agent.py", "version": VERSION}})
-        self.version = str(hello.get("protocolVersion", ""))
-        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", self.version) or self.version > MCP_PROTOCOL:
-            raise McpError(f"MCP server {self.name} speaks protocol {self.version!r}, not "
+        version = str(hello.get("protocolVersion", ""))
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", version) or version > MCP_PROTOCOL:
+            raise McpError(f"MCP server {self.name} speaks protocol {version[:40]!r}, not "
                            f"{MCP_PROTOCOL} or an earlier dated version")
-        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        cursor, seen, names = None, set(), set()
-        while True:
-            page = self.request("tools/list", {"cursor": cursor} if cursor else {})
-            tools = page.get("tools") if isinstance(page.get("tools"), list) else []
-            for tool in tools:   # a tool listed twice is offered once
-                if isinstance(tool, dict) and isinstance(tool.get("name"), str) and \
-                        tool["name"] not in names:
-                    names.add(tool["name"])
-                    self.tools.append(tool)
-            cursor = page.get("nextCursor")
-            if not isinstance(cursor, str) or not cursor or cursor in seen:   # the end, or a
-                break                                                          # loop of pages
-            seen.add(cursor)
-        self.state = "ready"
+        self.version = version
+        capabilities = hello.get("capabilities")
+        self.capabilities = capabilities if isinstance(capabilities, dict) else {}
+        self.notify("notifications/initialized")
+        self.transport.listen()
 
-    def read(self):
-        """Sort what the server writes: answers to our requests, its own requests, the rest."""
-        for line in self.process.stdout:
-            try:
-                message = json.loads(line)
-            except (ValueError, RecursionError):
-                continue   # a stray line of logging on stdout: not ours to read
-            if not isinstance(message, dict):
-                continue
-            if "method" in message:   # subtle: its request or notification; ids may be 0
-                if "id" in message:
-                    self.answer(message)
-                continue
-            number = message.get("id")
-            waiting = self.pending.pop(number, None) if isinstance(number, int) else None
-            if waiting:
-                waiting.append(message)
-                waiting[0].set()
-        self.state = "exited" if self.state == "ready" else self.state
-        self.gone = True
-        for waiting in list(self.pending.values()):   # nobody will answer these now
-            waiting[0].set()
-
-    def answer(self, request):
-        """Answer the server's own request: ping with {}, anything else with 'not found'."""
-        reply = {"result": {}} if request["method"] == "ping" else \
-            {"error": {"code": -32601, "message": f"method not found: {request['method']}"}}
+    def read_list(self, kind):
+        """Read the server's tools, prompts or resources, if it says it has them. The tools
+        are asked for whatever it says (servers forget to), but then an error means none."""
+        if kind != "tools" and kind not in self.capabilities:
+            return
         try:
-            self.send(dict({"jsonrpc": "2.0", "id": request["id"]}, **reply))
-        except McpError:
-            pass   # it has stopped listening: there is no one to answer
+            setattr(self, kind, self.list_all(kind))
+        except McpError as e:
+            if kind == "tools" and "tools" in self.capabilities:
+                raise
+            if kind != "tools":
+                self.session.say(f"mcp: {self.name}: its {kind} could not be read: {e}", YELLOW)
 
-    def send(self, message):
-        """Write one message, as one line, within MCP_SECONDS."""
-        # subtle: a server that has stopped reading would make a plain write wait for ever:
-        # its stdin does not block, and each piece is written as the pipe takes it
-        data = memoryview(json.dumps(message).encode() + b"\n")
-        deadline = time.monotonic() + MCP_SECONDS
-        with self.lock:
-            while data:
-                try:
-                    if not select.select([], [self.process.stdin], [],
-                                         max(deadline - time.monotonic(), 0))[1]:
-                        raise McpError(f"MCP server {self.name} stopped reading its input")
-                    data = data[os.write(self.process.stdin.fileno(), data):]
-                except (OSError, ValueError):   # the pipe is closed: the server has gone
-                    raise McpError(f"MCP server {self.name} has exited (its log: "
-                                   f"{self.log})") from None
-
-    def request(self, method, params):
-        """Send a request and wait for its answer: the result, or an McpError."""
-        number, waiting = next(self.ids), [threading.Event()]
-        self.pending[number] = waiting
-        if self.gone:   # subtle: the reader may have stopped before we asked
-            waiting[0].set()
-        self.send({"jsonrpc": "2.0", "id": number, "method": method, "params": params})
-        if not waiting[0].wait(MCP_SECONDS):
-            self.pending.pop(number, None)
-            raise McpError(f"MCP server {self.name} did not answer {method} within "
-                           f"{MCP_SECONDS} s")
-        if len(waiting) == 1:
-            raise McpError(f"MCP server {self.name} exited during {method} (its log: {self.log})")
-        error = waiting[1].get("error")
-        if error is not None:
-            message = error.get("message") if isinstance(error, dict) else error
-            raise McpError(f"MCP server {self.name} answered {method} with an error: {message}")
-        result = waiting[1].get("result")
-        return result if isinstance(result, dict) else {}
+    def list_all(self, kind) -> list:
+        """Every item of tools/list, prompts/list or resources/list, page after page, each
+        name (or uri) once, within MCP_PAGES pages and MCP_ITEMS items."""
+        key = "uri" if kind == "resources" else "name"
+        items, keys, cursor, cursors = [], set(), None, set()
+        for _ in range(MCP_PAGES):
+            page = self.request(f"{kind}/list", {"cursor": cursor} if cursor else {})
+            found = page.get(kind) if isinstance(page.get(kind), list) else []
+            for item in found:   # an item listed twice is offered once
+                if isinstance(item, dict) and isinstance(item.get(key), str) and \
+                        item[key] not in keys and len(items) < MCP_ITEMS:
+                    keys.add(item[key])
+                    items.append(item)
+            cursor = page.get("nextCursor")
+            if not isinstance(cursor, str) or not cursor or cursor in cursors:   # the end, or a
+                break                                                            # loop of pages
+            cursors.add(cursor)
+        return items
 
     def call(self, tool, arguments) -> str:
-        """Call one tool; its content as text for the model."""
-        result = self.request("tools/call", {"name": tool, "arguments": arguments})
+        """Call one tool, showing its progress; its content as text for the model."""
+        result = self.request("tools/call", {"name": tool, "arguments": arguments},
+                              progress=True)
         content = result.get("content") if isinstance(result.get("content"), list) else []
         text = "\n".join(describe_content(item) for item in content)
         if not text and result.get("structuredContent") is not None:
@@ -4007,7 +4118,269 @@ class McpServer:
             return f"error: mcp_tool_error: {self.name} {tool}: {text or 'failed'}"
         return text or "(no content)"
 
+    def request(self, method, params, progress=False) -> dict:
+        """Send a request and wait for its answer: the result, or an McpError. With progress,
+        the server is asked to report it, and shown it; on a timeout or Ctrl+C the server is
+        told to stop."""
+        number = next(self.ids)
+        if progress:
+            params = dict(params, _meta={"progressToken": number})
+        waiting = self.pending[number] = Pending(method, str(params.get("name", method)),
+                                                 time.monotonic(), progress=progress)
+        try:
+            if self.transport.gone:   # subtle: the reader may have stopped before we asked
+                self.lost()
+            self.transport.send({"jsonrpc": "2.0", "id": number, "method": method,
+                                 "params": params})
+            self.wait(number, waiting)
+        except KeyboardInterrupt:
+            self.cancel(number, "the user interrupted it")
+            raise
+        finally:
+            self.pending.pop(number, None)
+            if waiting.shown and sys.stderr.isatty():   # the progress line, cleared
+                self.session.say("\r\033[K", end="", raw=True)
+        if waiting.failure:
+            raise McpError(waiting.failure)
+        error = waiting.answer.get("error")
+        if error is not None:
+            error = error if isinstance(error, dict) else {"message": error}
+            message = one_line(str(error.get("message")), 300)
+            raise McpError(f"MCP server {self.name} answered {method} with an error: {message}",
+                           error.get("code"), error.get("data"))
+        result = waiting.answer.get("result")
+        return result if isinstance(result, dict) else {}
+
+    def wait(self, number, waiting):
+        """Wait for the answer as long as the server is heard from within its timeout (each
+        progress report counts), and MCP_CALL_MAX at most; else cancel it and raise."""
+        begun, most = time.monotonic(), max(MCP_CALL_MAX, self.timeout)
+        while not waiting.done.wait(max(min(waiting.heard + self.timeout, begun + most) -
+                                        time.monotonic(), 0)):
+            now = time.monotonic()
+            if now >= begun + most:
+                why = f"took over {most:g} s over {waiting.method}, the most a call may take"
+            elif now >= waiting.heard + self.timeout:
+                why = f"did not answer {waiting.method} within {self.timeout:g} s" + \
+                    (" of its last progress report" if waiting.shown else "")
+            else:
+                continue   # progress came meanwhile: the timeout starts again from it
+            self.cancel(number, f"no answer within {self.timeout:g} s")
+            raise McpError(f"MCP server {self.name} {why}")
+
+    def cancel(self, number, reason):
+        """Tell the server to stop work on a request we no longer wait for (but initialize,
+        which may not be cancelled); an answer that still comes is ignored."""
+        waiting = self.pending.pop(number, None)
+        if waiting and waiting.method != "initialize":
+            try:   # subtle: quickly, as a user who pressed Ctrl+C is waiting for it
+                self.notify("notifications/cancelled", {"requestId": number, "reason": reason},
+                            MCP_STOP_SECONDS)
+            except McpError:
+                pass   # it has gone, or stopped listening: there is nothing to stop
+        self.transport.abandon(number)
+
+    def notify(self, method, params=None, seconds=None):
+        """Send a notification, a message that gets no answer, within seconds (else the
+        server's timeout)."""
+        message = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        self.transport.send(message, seconds)
+
+    def receive(self, message):
+        """What the transport read from the server: an answer to one of our requests, a
+        request of its own, or a notification. Anything else is ignored."""
+        if isinstance(message, list):   # a batch, which older servers may send
+            for item in message[:100]:
+                self.receive(item)
+            return
+        if not isinstance(message, dict):
+            return
+        method = message.get("method")
+        if isinstance(method, str):   # subtle: its request or notification; ids may be 0
+            if "id" in message:
+                self.answer(message)
+            else:
+                self.notice(method, message.get("params"))
+            return
+        number = message.get("id")   # subtle: True == 1 in Python, and no id of ours is True
+        waiting = self.pending.pop(number, None) if type(number) is int else None
+        if waiting:
+            waiting.answer = message
+            waiting.done.set()
+
+    def fail(self, number, failure):
+        """No answer will come to this request, for the reason given (the transport's)."""
+        waiting = self.pending.pop(number, None)
+        if waiting:
+            waiting.failure = failure
+            waiting.done.set()
+
+    def lost(self):
+        """The server has gone: nobody will answer what it was asked."""
+        self.state = "exited" if self.state == "ready" else self.state
+        for number, waiting in list(self.pending.items()):
+            self.fail(number, f"MCP server {self.name} exited during {waiting.method} (its "
+                              f"log: {self.log})")
+
+    def answer(self, request):
+        """Answer the server's own request: ping, and roots/list with the workspace as the one
+        root; refuse the rest, sampling and elicitation too, which this client does not do."""
+        method, root = request["method"], self.session.cfg.root
+        if method == "ping":
+            reply = {"result": {}}
+        elif method == "roots/list":
+            reply = {"result": {"roots": [{"uri": "file://" + urllib.parse.quote(root),
+                                           "name": os.path.basename(root) or root}]}}
+        elif method in ("sampling/createMessage", "elicitation/create"):
+            reply = {"error": {"code": -32601, "message": f"agent.py does not support {method}: "
+                               f"it did not declare the {method.split('/')[0]} capability"}}
+        else:
+            reply = {"error": {"code": -32601, "message": f"method not found: {method[:100]}"}}
+        try:
+            self.transport.send(dict({"jsonrpc": "2.0", "id": request["id"]}, **reply))
+        except McpError:
+            pass   # it has stopped listening: there is no one to answer
+
+    def notice(self, method, params):
+        """A notification: progress on a request, a log message, or a list that has changed."""
+        params = params if isinstance(params, dict) else {}
+        if method == "notifications/progress":
+            token = params.get("progressToken")
+            waiting = self.pending.get(token) if type(token) is int else None
+            if waiting and waiting.progress:
+                waiting.heard = time.monotonic()   # it is working: the timeout starts again
+                self.show_progress(waiting, params)
+        elif method == "notifications/message":
+            self.write_log(params)
+        elif method in LIST_CHANGED:   # applied at the next question (refresh_mcp)
+            self.changed.add(LIST_CHANGED[method])
+
+    def show_progress(self, waiting, params):
+        """One line of progress on stderr: redrawn in place on a terminal (ten times a second
+        at most), elsewhere a line at most every second."""
+        now, terminal = time.monotonic(), sys.stderr.isatty()
+        if now - waiting.shown < (0.1 if terminal else 1):
+            return
+        waiting.shown = now
+        done, total = params.get("progress"), params.get("total")
+        try:   # subtle: 10**400 is a JSON number too, and no float
+            amount = f"{done:g}" + (f"/{total:g}" if is_number(total) else "") \
+                if is_number(done) else ""
+        except OverflowError:
+            amount = ""
+        text = f"  … {self.name} {waiting.about}: {amount} {params.get('message') or ''}"
+        line = one_line(text.rstrip(), terminal_width() - len(self.session.indent) - 1)
+        if terminal:
+            self.session.say(f"\r{line}\033[K", DIM, end="", raw=True)
+        else:
+            self.session.say(line, DIM, raw=True)
+
+    def write_log(self, params):
+        """A log message of the server's, added to its log file (where a child's stderr goes
+        too), up to MCP_LOG_CAP bytes a session."""
+        if self.logged > MCP_LOG_CAP or not self.log:
+            return
+        data = params.get("data")
+        text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        logger = f"{str(params['logger'])[:100]}: " if params.get("logger") else ""
+        line = printable(f"{time.strftime('%H:%M:%S')} {str(params.get('level'))[:20]}: "
+                         f"{logger}{text}".replace("\n", " ")) + "\n"   # safe to cat
+        self.logged += len(line)
+        if self.logged > MCP_LOG_CAP:
+            line = f"[over {human_size(MCP_LOG_CAP)} of log messages: the rest are left out]\n"
+        try:
+            with private_file(self.log, "a") as f:
+                f.write(line)
+        except OSError:
+            pass   # a log that cannot be written is no reason to fail a call
+
     def stop(self):
+        """Let it go: end its process, or its HTTP session."""
+        self.transport.close()
+
+
+def is_number(value) -> bool:
+    """True for a JSON number (which bool, in Python, is not meant to be)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class StdioTransport:
+    """A server that is a child process of ours, in its own process group: one JSON message a
+    line on its stdin and its stdout."""
+
+    def __init__(self, server):
+        """server: the McpServer it carries messages for."""
+        self.server, self.spec, self.gone, self.lock = server, server.spec, False, threading.Lock()
+        self.process, self.born, self.reader = None, 0, None
+
+    def open(self):
+        """Start the process, and a thread that hands what it writes to the server."""
+        adopt_orphans()
+        try:
+            # subtle: not in the workspace, where `python3 -m x` or `npx x` would load the
+            # repository's own x, whatever the question showed
+            with private_file(self.server.log, "ab") as log:   # subtle: stderr to a file, not
+                self.process = subprocess.Popen(   # a pipe that nobody reads, which could fill
+                    [self.spec["program"], *self.spec["args"]],
+                    cwd=private_folder(self.server.session.cfg, "mcp", "empty"),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                    env=self.spec["env"], start_new_session=True)
+        except (OSError, ValueError) as e:   # not executable, a NUL, a folder we can't use
+            raise McpError(f"cannot run {self.spec['command']!r}: "
+                           f"{getattr(e, 'strerror', None) or e}") from None
+        self.born = start_time(self.process.pid)
+        os.set_blocking(self.process.stdin.fileno(), False)   # see send()
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def listen(self):
+        """Nothing to open: all the server says comes on its stdout."""
+
+    def read(self):
+        """Hand each line the server writes to the server, until its stdout ends."""
+        while True:
+            line = self.process.stdout.readline(REPLY_CAP + 1)
+            if not line:
+                break
+            if len(line) > REPLY_CAP:   # one message that long is not one we can use: skip it
+                while line and not line.endswith(b"\n"):
+                    line = self.process.stdout.readline(REPLY_CAP + 1)
+                continue
+            try:
+                message = json.loads(line)
+            except (ValueError, RecursionError):
+                continue   # a stray line of logging on stdout: not ours to read
+            try:
+                self.server.receive(message)
+            except Exception as e:   # a fault of this program: logged, and the reading goes on
+                self.server.write_log({"level": "client", "data": f"internal error: {e!r}"})
+        self.gone = True
+        self.server.lost()
+
+    def send(self, message, seconds=None):
+        """Write one message, as one line, within seconds (else the server's timeout)."""
+        # subtle: a server that has stopped reading would make a plain write wait for ever:
+        # its stdin does not block, and each piece is written as the pipe takes it
+        data = memoryview(json.dumps(message).encode() + b"\n")
+        deadline = time.monotonic() + (seconds or self.server.timeout)
+        with self.lock:
+            while data:
+                try:
+                    if not select.select([], [self.process.stdin], [],
+                                         max(deadline - time.monotonic(), 0))[1]:
+                        raise McpError(f"MCP server {self.server.name} stopped reading its "
+                                       f"input")
+                    data = data[os.write(self.process.stdin.fileno(), data):]
+                except (OSError, ValueError):   # the pipe is closed: the server has gone
+                    raise McpError(f"MCP server {self.server.name} has exited (its log: "
+                                   f"{self.server.log})") from None
+
+    def abandon(self, number):
+        """Nothing to close: a request given up is only told to the server (cancel())."""
+
+    def close(self):
         """Close its stdin, give it a moment to leave, then end its process group, and any
         process it set loose."""
         if self.process is None:
@@ -4043,11 +4416,138 @@ def describe_content(item) -> str:
     return f"[{kind} content]"
 
 
+# A server's prompts are the user's, not the model's: each is a slash command in the REPL,
+# /mcp__SERVER__PROMPT, whose messages (prompts/get) become the question. Its resources are
+# read with read_resource(), for whatever attaches them to a question.
+
+def prompt_question(session, line) -> str:
+    """The question an MCP prompt makes of /mcp__SERVER__PROMPT ARGUMENTS: the text of its
+    messages, joined ('' if there is none, or it could not be had: said why)."""
+    command, _, rest = line.partition(" ")
+    found = [(server, prompt) for server in session.servers if server.state == "ready"
+             for prompt in server.prompts if tool_name(server.name, prompt["name"], ()) ==
+             command[1:]]
+    if not found:
+        session.say(f"unknown command {command}; /mcp lists the MCP prompts", YELLOW)
+        return ""
+    server, prompt = found[0]
+    try:
+        arguments = prompt_arguments(prompt, rest)
+        result = server.request("prompts/get", {"name": prompt["name"], "arguments": arguments})
+    except (ValueError, McpError) as e:
+        session.say(f"{command}: {e}", YELLOW)
+        return ""
+    texts, left_out = [], collections.Counter()
+    messages = result.get("messages") if isinstance(result.get("messages"), list) else []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for item in content if isinstance(content, list) else [content]:
+            item = item if isinstance(item, dict) else {}
+            resource = item.get("resource") if isinstance(item.get("resource"), dict) else {}
+            if item.get("type") == "text" and isinstance(item.get("text"), str):
+                texts.append(item["text"])
+            elif item.get("type") == "resource" and isinstance(resource.get("text"), str):
+                texts.append(resource["text"])   # a text resource: text all the same
+            else:
+                left_out[str(item.get("type") or "unknown")[:20]] += 1
+    if left_out:
+        session.say(f"(left out of the prompt, which sends only text: "
+                    f"{', '.join(f'{n} {kind}' for kind, n in sorted(left_out.items()))})", DIM)
+    question = "\n\n".join(text for text in texts if text.strip())
+    if not question:
+        session.say(f"{command}: the prompt has no text to ask", YELLOW)
+    elif len(question) > STDIN_CAP:
+        session.say(f"(the prompt cut to its first {STDIN_CAP:,} characters)", DIM)
+    return question[:STDIN_CAP]
+
+
+def prompt_arguments(prompt, rest) -> dict:
+    """A prompt's arguments from the words after its command, quoted as in a shell: NAME=VALUE
+    for any of them; plain words for the others in the order the prompt lists them, the last
+    taking the rest of the line. A ValueError says what is missing or too much."""
+    declared = [a for a in prompt.get("arguments") or [] if isinstance(a, dict) and
+                isinstance(a.get("name"), str)]
+    names = [a["name"] for a in declared]
+    values, words = {}, []
+    for word in shlex.split(rest):   # a quote left open: a ValueError
+        name, equals, value = word.partition("=")
+        if equals and name in names:
+            values[name] = value
+        else:
+            words.append(word)
+    free = [name for name in names if name not in values]
+    if words and not free:
+        raise ValueError(f"it takes no more arguments than {', '.join(names) or 'none'}")
+    values.update(zip(free, words))
+    if len(words) > len(free):   # the last argument takes the rest of the line
+        values[free[-1]] = " ".join(words[len(free) - 1:])
+    missing = [a for a in declared if a.get("required") and a["name"] not in values]
+    if missing:
+        raise ValueError("it needs " + "; ".join(
+            f"{a['name']}" + (f" ({one_line(str(a['description']), 80)})"
+                              if a.get("description") else "") for a in missing))
+    return values
+
+
+def read_resource(session, server_name, uri) -> str:
+    """The text of one resource of a running MCP server (resources/read), cut to RESULT_CAP
+    characters as a read_file result is; binary contents are described in a line. Raises an
+    McpError, whose message is one line, if there is no such server, it has no resources or
+    the read fails. For whatever attaches a resource to a question (an @server:uri, say)."""
+    server = next((s for s in session.servers if s.name == server_name), None)
+    if server is None or server.state != "ready":
+        raise McpError(f"no MCP server {server_name!r} is running (/mcp lists them)")
+    if "resources" not in server.capabilities:
+        raise McpError(f"MCP server {server_name} has no resources")
+    result = server.request("resources/read", {"uri": uri})
+    parts = []
+    for item in result.get("contents") if isinstance(result.get("contents"), list) else []:
+        if isinstance(item, dict) and isinstance(item.get("text"), str):
+            parts.append(item["text"])
+        elif isinstance(item, dict) and isinstance(item.get("blob"), str):
+            size = len(item["blob"]) * 3 // 4 - item["blob"].count("=")   # base64
+            parts.append(f"[{item.get('mimeType') or 'binary'} content, {human_size(size)}, "
+                         f"not shown]")
+    if not parts:
+        raise McpError(f"MCP server {server_name} sent no contents for {one_line(uri, 200)}")
+    return cap("\n".join(parts))
+
+
+def show_mcp(session):
+    """/mcp: each server, its state, its tools, its prompts (as the slash commands they are)
+    and its resources; the servers that failed, and why."""
+    for server in session.servers:
+        where = server.spec.get("command") or origin(server.spec["url"])
+        session.say(f"{server.name}: {server.state} {server.version} ({where})", BOLD)
+        offered = [t["name"] for t in server.tools if not needs_task(t)]
+        tasks = len(server.tools) - len(offered)
+        session.say("  tools: " + (", ".join(offered) or "none") +
+                    (f" ({tasks} more that run only as tasks: not offered)" if tasks else ""))
+        for prompt in server.prompts[:30]:
+            arguments = " ".join(a["name"] if a.get("required") else f"[{a['name']}]"
+                                 for a in prompt.get("arguments") or []
+                                 if isinstance(a, dict) and isinstance(a.get("name"), str))
+            command = f"/{tool_name(server.name, prompt['name'], ())} {arguments}".rstrip()
+            session.say(one_line(f"  {command}  {prompt.get('description') or ''}", 160))
+        for resource in server.resources[:30]:
+            session.say(one_line(f"  resource {resource['uri']}  {resource.get('name') or ''}",
+                                 160))
+        for kind in ("prompts", "resources"):
+            if len(getattr(server, kind)) > 30:
+                session.say(f"  … {len(getattr(server, kind)) - 30} more {kind}", DIM)
+    running = {server.name for server in session.servers}
+    for failed in session.mcp_failed:
+        if failed["name"] not in running:
+            session.say(f"{failed['name']}: {failed['error']}", YELLOW)
+    if not session.servers and not session.mcp_failed:
+        session.say("no MCP servers (.mcp.json at the root, or --mcp FILE, adds them)", DIM)
+
+
 def mcp_servers(root, files, env, shell_env) -> tuple:
     """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
     --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment (for the
-    workspace's, from shell_env, which has no API key); and what is wrong, one line each.
-    Each server is judged alone: a bad one is left out, not the file."""
+    workspace's, from shell_env, which has no API key); and what is wrong, one {"name",
+    "error"} each. Each entry is judged alone: a bad one is left out, not the file."""
     servers, problems = {}, []
     for path, workspace in [(os.path.join(root, ".mcp.json"), True)] + \
             [(f, False) for f in files]:
@@ -4062,37 +4562,58 @@ def mcp_servers(root, files, env, shell_env) -> tuple:
         except (OSError, ValueError, RecursionError) as e:
             if not workspace:
                 raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
-            problems.append(f"{path} not used: {e}")
+            problems.append({"name": path, "error": f"{path} not used: {e}"})
             continue
         # subtle: a file in the workspace is the repository's, not the user's: it does not get
-        # to copy the API key into the environment of a program it names
+        # to copy the API key into the environment of a program it names, nor into a header
         known = shell_env if workspace else env
-        for name, spec in found.items():
-            spec = expand(spec, known)
-            if not MCP_NAME.fullmatch(name):   # it is shown in questions: plain letters only
-                problems.append(f"{path}: server {name[:80]!r} not used: a name may hold only "
-                                f"letters, digits, '_', '.' and '-'")
-            elif not isinstance(spec, dict) or not isinstance(spec.get("command"), str) or \
-                    not isinstance(spec.get("args", []), list) or \
-                    not isinstance(spec.get("env", {}), dict):
-                problems.append(f'{path}: server {name!r} not used: it needs a "command" '
-                                f'string, and "args" a list and "env" an object if given')
-            elif not all(shows_as_is(str(s)) for s in [
-                    spec["command"], *spec.get("args", []), *spec.get("env", {}),
-                    *spec.get("env", {}).values()]) or \
-                    any("=" in k or not k for k in spec.get("env", {})):
-                problems.append(f"{path}: server {name!r} not used: its command, arguments or "
-                                f"variables hold a line break or control character, or a "
-                                f"variable's name is empty or holds '='")
+        for name, entry in found.items():
+            spec, wrong = mcp_entry(name, entry, known)
+            if wrong:
+                problems.append({"name": name[:80], "error": f"{path}: server {name[:80]!r} not "
+                                                             f"used: {wrong}"})
             else:
-                servers[name] = dict(spec, from_workspace=workspace,
-                                     args=[str(a) for a in spec.get("args", [])],
-                                     env={k: str(v) for k, v in spec.get("env", {}).items()
-                                          if v is not None})
+                servers[name] = dict(spec, from_workspace=workspace)
     return servers, problems
 
 
 MCP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def mcp_entry(name, entry, env) -> tuple:
+    """One entry of an .mcp.json, checked alone: (the server's spec, '') or (None, what is
+    wrong with it). Its type is "stdio" (a command), or "http" (a URL; 22b checks it); with no
+    type, a "url" and no "command" mean http, as in Cursor's files."""
+    if not MCP_NAME.fullmatch(name):   # it is shown in questions: plain letters only
+        return None, "a name may hold only letters, digits, '_', '.' and '-'"
+    if not isinstance(entry, dict):
+        return None, "it is not an object"
+    spec = expand(entry, env)
+    kind = spec.get("type", "http" if "url" in spec and "command" not in spec else "stdio")
+    timeout = spec.get("timeout")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or
+                                isinstance(timeout, bool) or not 0 < timeout <= MCP_CALL_MAX):
+        return None, f'"timeout" must be a number of seconds, above 0 and at most {MCP_CALL_MAX}'
+    if kind == "http":
+        return http_entry(spec, entry)
+    if kind == "sse":
+        return None, ('its type "sse" (the old HTTP+SSE transport) is not supported; a server '
+                      'that also speaks streamable HTTP works as "type": "http" with that URL')
+    if kind != "stdio":
+        return None, f'its type {str(kind)[:40]!r} is not "stdio" or "http"'
+    if not isinstance(spec.get("command"), str) or \
+            not isinstance(spec.get("args", []), list) or \
+            not isinstance(spec.get("env", {}), dict):
+        return None, ('it needs a "command" string (or "type": "http" and a "url"), and "args" '
+                      'a list and "env" an object if given')
+    if not all(shows_as_is(str(s)) for s in [spec["command"], *spec.get("args", []),
+                                             *spec.get("env", {}), *spec.get("env", {}).values()]) \
+            or any("=" in k or not k for k in spec.get("env", {})):
+        return None, ("its command, arguments or variables hold a line break or control "
+                      "character, or a variable's name is empty or holds '='")
+    return {"type": "stdio", "command": spec["command"], "timeout": timeout,
+            "args": [str(a) for a in spec.get("args", [])],
+            "env": {k: str(v) for k, v in spec.get("env", {}).items() if v is not None}}, ""
 
 
 def expand(value, env):
@@ -4105,6 +4626,361 @@ def expand(value, env):
     if isinstance(value, dict):
         return {k: expand(v, env) for k, v in value.items()}
     return value
+
+
+# ----------------------------------------------------------------------------------------------
+# 22b. MCP over HTTP: remote servers
+# ----------------------------------------------------------------------------------------------
+# A hosted MCP server is a URL, spoken to in what the protocol calls streamable HTTP. Each
+# message the client sends is one POST to it. A notification, or our answer to a request of
+# the server's, is taken with 202 and no body. A request is answered with one JSON message, or
+# with a stream of server-sent events (section 19) carrying the server's own requests and
+# notifications (progress, say) before the answer. As that can take minutes, each request is
+# read in a thread of its own, which hands every message to McpServer.receive(), as the stdio
+# reader does: the waiting, the timeout and the cancelling are McpServer's, the same for both.
+# The server may name a session (the Mcp-Session-Id header of its answer to initialize): it is
+# sent back on every request, with MCP-Protocol-Version, the version agreed, and ended with a
+# DELETE on exit. A 404 to a request that carried it means the server has forgotten it: shake
+# hands again, once, and send the request again. A stream may end before its answer, once its
+# events are numbered (id:): the rest is asked for with a GET and Last-Event-ID, after the
+# wait it names (retry:). A GET stream of its own carries what the server says unasked, a tool
+# list that changed, say. No redirect is followed (the headers may carry a token); https is
+# TLS, checked against the system's certificates, and http plain text. Authentication is a
+# header, "Authorization": "Bearer ${TOKEN}"; OAuth is not supported.
+
+def http_entry(spec, written) -> tuple:
+    """An "http" entry of an .mcp.json, checked: (spec, '') or (None, what is wrong). written:
+    the entry as the file has it, before ${VAR} was filled in, for the question (22b)."""
+    url, headers = spec.get("url"), spec.get("headers", {})
+    if not isinstance(url, str) or not re.match(r"https?://[^/?#\s]+", url) or \
+            not shows_as_is(url):
+        return None, 'it needs a "url" that starts with http:// or https:// (and no spaces)'
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port   # an invalid port raises ValueError
+    except ValueError as e:
+        return None, f'its "url" is not one: {e}'
+    if parts.username is not None or not parts.hostname:
+        return None, ('its "url" needs a host, and no user name or password in it: put a token '
+                      'in "headers" instead')
+    if not isinstance(headers, dict) or not all(
+            HEADER_NAME.fullmatch(str(k)) and isinstance(v, str) and
+            re.fullmatch(r"[\t\x20-\x7e]*", v) for k, v in headers.items()):
+        return None, ('"headers" must be an object of names and string values, in plain ASCII '
+                      'without line breaks')
+    lower = {k.lower() for k in headers}
+    if lower & OWN_HEADERS:
+        return None, f'"headers" may not set {", ".join(sorted(lower & OWN_HEADERS))}'
+    return {"type": "http", "url": url, "headers": headers, "timeout": spec.get("timeout"),
+            "written": {"url": written.get("url"), "headers": written.get("headers", {})}}, ""
+
+
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}")   # a token, as HTTP defines it
+# The headers the transport itself sends, which an .mcp.json may not replace.
+OWN_HEADERS = {"content-type", "accept", "content-length", "host", "mcp-session-id",
+               "mcp-protocol-version", "last-event-id", "transfer-encoding", "connection",
+               "user-agent"}
+
+
+def http_preview(spec, env) -> str:
+    """What the question about a workspace's HTTP server shows: where every message will go,
+    whether on the way it is encrypted, and each header as the file writes it: a ${VAR} stays
+    its name, and a token it stands for is not shown, only whether it is set."""
+    written, parts = spec["written"], urllib.parse.urlsplit(spec["url"])
+    lines = [f"connect to {written['url']}"]
+    if written["url"] != spec["url"]:   # a variable in the URL: where it really goes
+        lines.append(f"# that is {origin(spec['url'])}")
+    lines.append("# over TLS (https)" if parts.scheme == "https" else
+                 "# in PLAIN TEXT (http): anyone on the way can read what is sent")
+    lines += [f"# with the header {k}: {v}" for k, v in written["headers"].items()]
+    for variable in sorted(set(re.findall(r"\$\{(\w+)", json.dumps(written)))):
+        lines.append(f"# ${{{variable}}}: " + (
+            "never filled in from a workspace's file" if variable in KEY_VARIABLES else
+            "set in your environment, not shown" if env.get(variable) else "NOT SET: empty"))
+    return "\n".join(lines)
+
+
+def origin(url) -> str:
+    """A URL's scheme, host and path, without its query: what may be shown of it."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+class HttpTransport:
+    """A server at a URL: each message one POST, each answer JSON or a stream of events."""
+
+    def __init__(self, server):
+        """server: the McpServer it carries messages for."""
+        self.server, self.url = server, urllib.parse.urlsplit(server.spec["url"])
+        self.session_id, self.gone, self.closed, self.listener = "", False, False, None
+        self.streams, self.lock, self.renewing = {}, threading.Lock(), threading.Lock()
+
+    def open(self):
+        """Nothing to start: the server runs on its own; the first POST is initialize."""
+
+    def send(self, message, seconds=None):
+        """POST one message. A request's answer is read in a thread of its own (exchange());
+        anything else needs only to be taken, within seconds (else the server's timeout)."""
+        if "method" in message and "id" in message:
+            threading.Thread(target=self.exchange, args=(message,), daemon=True).start()
+            return
+        connection = None
+        try:
+            connection, _, response = self.connect("POST", message,
+                                                   seconds or self.server.timeout)
+            status = response.status
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise self.unreachable(e) from None
+        finally:
+            if connection:
+                connection.close()
+        if not 200 <= status < 300:
+            raise McpError(f"MCP server {self.server.name} refused a message (HTTP {status})")
+
+    def exchange(self, message):
+        """POST one request and hand each message of its answer to the server as it comes; if
+        no answer comes, say why to whoever waits for it. A session the server has forgotten
+        (404) is begun anew, once, and the request sent again."""
+        number, method, connection = message["id"], message["method"], None
+        try:
+            for attempt in (1, 2):
+                sent_session = self.session_id
+                connection, sock, response = self.connect("POST", message,
+                                                          2 * self.server.timeout + 1)
+                with self.lock:
+                    self.streams[number] = sock   # abandon() closes it
+                if number not in self.server.pending:   # given up on meanwhile
+                    return
+                if response.status == 404 and sent_session and attempt == 1 and \
+                        method != "initialize":
+                    connection.close()
+                    self.renew(sent_session)
+                    continue
+                if method == "initialize":   # before the answer is handed on: initialized and
+                    self.session_id = named_session(self.server, response)   # all after send it
+                return self.read_answer(number, method, response)
+        except McpError as e:
+            self.server.fail(number, str(e))
+        except Fatal as e:   # a stream's event over REPLY_CAP (sse_events)
+            self.server.fail(number, f"MCP server {self.server.name}: {e}")
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            self.server.fail(number, str(self.unreachable(e)))
+        except Exception as e:   # a fault of this program: the call fails, with no traceback
+            self.server.fail(number, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            with self.lock:
+                self.streams.pop(number, None)
+            if connection:
+                connection.close()
+
+    def read_answer(self, number, method, response):
+        """The answer to one request: one JSON message, or events until the one that answers.
+        A stream that ends first, having numbered its events, is asked for what follows."""
+        status, kind = response.status, response.getheader("Content-Type") or ""
+        if not 200 <= status < 300:
+            raise http_failure(self.server, method, response)
+        if "text/event-stream" in kind:
+            return self.read_events(number, method, response)
+        body = response.read(REPLY_CAP + 1)
+        if len(body) > REPLY_CAP:
+            raise McpError(f"MCP server {self.server.name} answered {method} with over "
+                           f"{human_size(REPLY_CAP)}")
+        try:
+            message = json.loads(body)
+        except (ValueError, RecursionError):
+            raise McpError(f"MCP server {self.server.name} answered {method} (HTTP {status}) "
+                           f"with no JSON message: {body[:80]!r}") from None
+        self.server.receive(message)
+        if number in self.server.pending:
+            raise McpError(f"MCP server {self.server.name} answered {method} with a message "
+                           f"that is no answer to it (a wrong id, or none)")
+
+    def read_events(self, number, method, response):
+        """Hand each event of an answer's stream to the server until one answers the request.
+        A stream that ends first, having numbered its events, is asked for what follows (a GET
+        with Last-Event-ID), as often as MCP_RESUMES."""
+        seen, connection = {}, None   # seen: the last event's id, and the wait asked for
+        try:
+            for _ in range(MCP_RESUMES + 1):
+                for _, data in sse_events(response, seen):
+                    self.deliver(data)
+                    if number not in self.server.pending:   # answered, or given up on
+                        return
+                if "id" not in seen or self.closed:
+                    break
+                time.sleep(resume_wait(seen))
+                if number not in self.server.pending:
+                    return
+                if connection:
+                    connection.close()
+                connection, sock, response = self.connect(
+                    "GET", None, 2 * self.server.timeout + 1, {"Last-Event-ID": seen["id"]})
+                with self.lock:
+                    self.streams[number] = sock
+                if response.status != 200 or \
+                        "text/event-stream" not in (response.getheader("Content-Type") or ""):
+                    break
+        finally:
+            if connection:
+                connection.close()
+        raise McpError(f"MCP server {self.server.name} ended its answer to {method} before "
+                       f"the answer")
+
+    def deliver(self, data):
+        """One event's data to the server: a JSON message (a priming event is empty; anything
+        else that is not JSON goes to the server's log)."""
+        if not data.strip():
+            return
+        try:
+            message = json.loads(data)
+        except (ValueError, RecursionError):
+            self.server.write_log({"level": "client", "data": f"not JSON: {data[:200]!r}"})
+            return
+        self.server.receive(message)
+
+    def listen(self):
+        """Open the GET stream that carries what the server says unasked, in a thread."""
+        if self.listener is None or not self.listener.is_alive():
+            self.listener = threading.Thread(target=self.hear, daemon=True)
+            self.listener.start()
+
+    def hear(self):
+        """Read the server's GET stream, and open it again when it ends (as often as
+        MCP_RESUMES in a row with no message); a 405, or no stream, means it has none."""
+        seen, quiet = {}, 0
+        while not self.closed and quiet <= MCP_RESUMES:
+            connection = None
+            try:
+                connection, sock, response = self.connect(
+                    "GET", None, None, {"Last-Event-ID": seen["id"]} if "id" in seen else {})
+                with self.lock:
+                    self.streams["listen"] = sock
+                if response.status != 200 or \
+                        "text/event-stream" not in (response.getheader("Content-Type") or ""):
+                    return
+                for _, data in sse_events(response, seen):
+                    self.deliver(data)
+                    quiet = 0
+            except (OSError, http.client.HTTPException, ValueError, Fatal):
+                pass   # the stream is a courtesy: calls are answered on their own streams
+            finally:
+                if connection:
+                    connection.close()
+            quiet += 1
+            time.sleep(resume_wait(seen))
+
+    def connect(self, method, message=None, timeout=None, headers=()):
+        """Send one HTTP request to the server's URL: (connection, its socket, the response),
+        once the response's headers are in. No redirect is followed; it is an answer."""
+        https = self.url.scheme == "https"
+        kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        connection = kind(self.url.hostname, self.url.port or (443 if https else 80),
+                          timeout=timeout)
+        sent = dict(self.server.spec["headers"], **{
+            "User-Agent": f"agent.py/{VERSION}",
+            "Accept": "text/event-stream" if method == "GET" else
+            "application/json, text/event-stream"}, **dict(headers))
+        if self.session_id:
+            sent["Mcp-Session-Id"] = self.session_id
+        if self.server.version and (message or {}).get("method") != "initialize":
+            sent["MCP-Protocol-Version"] = self.server.version
+        body = None if message is None else json.dumps(message).encode()
+        if body is not None:
+            sent["Content-Type"] = "application/json"
+        path = (self.url.path or "/") + (f"?{self.url.query}" if self.url.query else "")
+        try:
+            connection.connect()
+            sock = connection.sock   # subtle: kept, as the connection lets go of it when the
+            connection.request(method, path, body=body, headers=sent)   # response will close
+            return connection, sock, connection.getresponse()
+        except BaseException:   # Ctrl+C too: no connection is left open
+            connection.close()
+            raise
+
+    def renew(self, expired):
+        """The server has forgotten our session: begin a new one, unless another thread that
+        found it forgotten has already; the lists are read again at the next question."""
+        with self.renewing:
+            if self.session_id == expired:
+                self.session_id = ""
+                self.server.handshake()
+                self.server.changed.update(("tools", "prompts", "resources"))
+
+    def unreachable(self, e) -> McpError:
+        """The error for a request that got no answer: refused, timed out, TLS, a bad reply."""
+        why = "no answer within the timeout" if isinstance(e, socket.timeout) else \
+            getattr(e, "strerror", None) or str(e) or type(e).__name__
+        return McpError(f"MCP server {self.server.name} at {origin(self.server.spec['url'])}: "
+                        f"{one_line(why, 200)}")
+
+    def abandon(self, number):
+        """Stop reading the answer to a request given up: close its connection."""
+        with self.lock:
+            sock = self.streams.pop(number, None)
+        shut(sock)
+
+    def close(self):
+        """Stop reading every stream, then end the session with a DELETE (a server may answer
+        405: it does not let clients end sessions, and they expire)."""
+        self.closed = True
+        with self.lock:
+            streams, self.streams = list(self.streams.values()), {}
+        for sock in streams:
+            shut(sock)
+        if self.session_id:
+            try:
+                connection, _, response = self.connect("DELETE", None, MCP_STOP_SECONDS)
+                connection.close()
+            except (OSError, http.client.HTTPException, ValueError):
+                pass   # gone already: its sessions with it
+
+
+def shut(sock):
+    """Stop a socket at once, from any thread: a read waiting on it in another ends."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError):   # closed already, or never opened
+        pass
+
+
+def named_session(server, response) -> str:
+    """The session the server names in its answer to initialize ('' if none); only visible
+    ASCII may be sent back in a header."""
+    given = response.getheader("Mcp-Session-Id") or ""
+    if given and not re.fullmatch(r"[\x21-\x7e]{1,1000}", given):
+        raise McpError(f"MCP server {server.name} named a session that is not visible ASCII")
+    return given
+
+
+def resume_wait(seen) -> float:
+    """Seconds to wait before asking a stream again: what the server named (retry: in ms),
+    between 0.1 and 30 s; 1 s if it named none."""
+    try:
+        return min(max(int(seen.get("retry", "1000")) / 1000, 0.1), 30)
+    except ValueError:
+        return 1
+
+
+def http_failure(server, method, response) -> McpError:
+    """The error for an HTTP status other than success: a redirect not followed, a token
+    missing or refused, or the server's own words (a JSON-RPC error)."""
+    status, body = response.status, response.read(4096)
+    if 300 <= status < 400:
+        where = one_line(response.getheader("Location") or "somewhere unnamed", 200)
+        return McpError(f"MCP server {server.name} redirected to {where} (HTTP {status}); a "
+                        f"redirect is not followed, as the headers may carry a token: put that "
+                        f"URL in .mcp.json if you trust it")
+    if status in (401, 403):
+        return McpError(f"MCP server {server.name} refused {method} (HTTP {status}): it needs a "
+                        f"token, or another; give one in its headers, such as \"Authorization\": "
+                        f"\"Bearer ${{TOKEN}}\" (OAuth is not supported)")
+    try:
+        error = json.loads(body).get("error")
+        words = error.get("message") if isinstance(error, dict) else error
+    except (ValueError, AttributeError, RecursionError):
+        words = body.decode("utf-8", "replace") if body.strip() else ""
+    return McpError(f"MCP server {server.name} answered {method} with HTTP {status}" +
+                    (f": {one_line(str(words), 200)}" if words else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4809,6 +5685,7 @@ def show_checkpoints(session, git) -> list:
 #     AGENT_AUTO      1: edits, sandboxed commands unasked  default 0
 #     AGENT_SANDBOX   off: commands outside the OS sandbox  default on, where bwrap works
 #     AGENT_CHECKPOINTS 0: no snapshots for /undo          default 1
+#     AGENT_MCP_TIMEOUT seconds an MCP server may be silent  default 30
 #     MAX_TURNS       tool rounds per question           default 20
 #     NO_COLOR        set to anything: no colour
 #     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
@@ -4841,7 +5718,8 @@ class Config:
     verbose: bool = False   # a line of token counts and seconds per round on stderr (-v)
     state: str = ""         # where sessions, history and logs are kept (per user)
     mcp: dict = dataclasses.field(default_factory=dict)  # MCP server name -> {command, args...}
-    mcp_problems: list = dataclasses.field(default_factory=list)  # MCP servers left out, why
+    mcp_problems: list = dataclasses.field(default_factory=list)  # {"name", "error"} left out
+    mcp_timeout: float = MCP_SECONDS  # seconds an MCP server may be silent, unless it says
     resume: Optional[str] = None   # a saved session to go on with ("" = this root's latest)
     output: str = "text"    # one-shot stdout: "text", "json" (one object), "jsonl" (events)
     trace: str = ""         # a file to add a JSON line to for every model and tool call
@@ -4899,6 +5777,8 @@ def load_config(argv=None, environ=None) -> Config:
         state=os.path.join(state, "agent-loop"),
         mcp=mcp,
         mcp_problems=mcp_problems,
+        mcp_timeout=parse_number(env["AGENT_MCP_TIMEOUT"], "AGENT_MCP_TIMEOUT", float, low=1)
+        if env.get("AGENT_MCP_TIMEOUT") else MCP_SECONDS,
         resume=args.resume if args.resume is not None else "" if args.go_on else None,
         output="json" if args.json else "jsonl" if args.jsonl else "text",
         trace=args.trace or "",
@@ -5192,7 +6072,7 @@ def one_shot(session, question) -> int:
         "usage": {"prompt_tokens": used["prompt"], "cached_tokens": used["cached"],
                   "completion_tokens": used["generated"], "seconds": round(used["seconds"], 3)},
         "exit_reason": session.exit_reason if answer.strip() or failure else "empty_answer",
-        "recovered_calls": session.recovered}
+        "recovered_calls": session.recovered, "mcp_failed": session.mcp_failed}
     if failure:
         outcome["error"] = failure
     session.emit("done", **outcome)
@@ -5255,7 +6135,7 @@ def repl(session) -> int:
             break
         try:
             message = line
-            if line.startswith("/"):   # a custom command (section 29b) returns its text
+            if line.startswith("/"):   # a custom command, or an MCP prompt, returns its text
                 message = slash_command(session, line)
                 ran = [] if line == "/clear" else ran
             elif line.startswith("!"):   # the user's own command: no approval needed
@@ -5301,7 +6181,8 @@ folder's listing, to your message (Tab completes it). Commands:
   /permissions  the rules that let commands run unasked; /permissions remove N
   /sandbox    whether commands run in the OS sandbox
   /usage      tokens and seconds spent in this session
-  /mcp        the MCP servers, their state and their tools
+  /mcp        the MCP servers, their state, tools, prompts and resources
+  /mcp__SERVER__PROMPT ARGS  an MCP prompt, as your question: ARGS in order, or NAME=VALUE
   /sessions   the saved sessions of this workspace (--resume ID goes on with one)
   /compact    summarise the conversation so far, to free context
   /clear      forget the conversation and start over
@@ -5314,6 +6195,8 @@ def slash_command(session, line) -> Optional[str]:
     """Carry out one of the REPL's slash commands; for a custom one (section 29b), return the
     text to send as the user's message."""
     command, _, rest = line.partition(" ")
+    if command.startswith("/mcp__"):   # an MCP prompt (section 22): its text is the message
+        return prompt_question(session, line) or None
     if command == "/undo" and not rest:
         undo_in_session(session, None)
     elif command == "/rewind":
@@ -5364,11 +6247,7 @@ def slash_command(session, line) -> Optional[str]:
                     f"({total['cached']:,} of them cached), {total['generated']:,} "
                     f"generated, {total['seconds']:.1f} s waiting for the model")
     elif line == "/mcp":
-        for server in session.servers or []:
-            tools = ", ".join(t["name"] for t in server.tools) or "no tools"
-            session.say(f"{server.name}: {server.state} {server.version} — {tools}")
-        if not session.servers:
-            session.say("no MCP servers (.mcp.json at the root, or --mcp FILE, adds them)", DIM)
+        show_mcp(session)
     elif line == "/sessions":
         for number, path in saved_sessions(session.cfg)[-20:]:
             with open(path, encoding="utf-8", errors="replace") as f:

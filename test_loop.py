@@ -3171,7 +3171,8 @@ class TextCallTest(unittest.TestCase):
 # ----------------------------------------------------------------------------------------------
 
 # A small MCP server, standard library only, for the tests: it speaks JSON-RPC on stdin and
-# stdout, lists its tools in two pages, and has a tool for each thing that can go wrong.
+# stdout, lists its tools in two pages, has a tool for each thing that can go wrong, a prompt
+# and two resources; it writes each notifications/cancelled it gets to the file "cancels" names.
 MCP_SERVER = r'''
 import json, os, subprocess, sys, time
 if "slow" in sys.argv:
@@ -3188,7 +3189,17 @@ TOOLS = [{"name": "echo", "description": "Say it back", "annotations": {"readOnl
          {"name": "picture", "description": "Returns an image and text",
           "annotations": {"readOnlyHint": True}},
          {"name": "a.name with/odd chars" + "x" * 70, "description": "A long, odd name",
-          "annotations": {"readOnlyHint": True}}]
+          "annotations": {"readOnlyHint": True}},
+         {"name": "slow", "annotations": {"readOnlyHint": True}},
+         {"name": "silent", "annotations": {"readOnlyHint": True}},
+         {"name": "hang", "annotations": {"readOnlyHint": True}},
+         {"name": "grow", "annotations": {"readOnlyHint": True}},
+         {"name": "sign_in", "annotations": {"readOnlyHint": True}},
+         {"name": "later", "execution": {"taskSupport": "required"}}]
+PROMPTS = [{"name": "review", "description": "Review a file", "arguments": [
+    {"name": "file", "required": True}, {"name": "focus"}]}]
+RESOURCES = [{"uri": "test://notes", "name": "notes"}, {"uri": "test://logo", "name": "logo"}]
+cancels = next((a[8:] for a in sys.argv if a.startswith("cancels=")), os.devnull)
 
 
 def send(message):
@@ -3211,16 +3222,34 @@ for line in sys.stdin:
                                                                "message": "not initialized"}})
     elif method == "initialize":
         send({"jsonrpc": "2.0", "id": request["id"], "result": {
-            "protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
-            "serverInfo": {"name": "test", "version": "1"}}})
+            "protocolVersion": "2025-06-18", "serverInfo": {"name": "test", "version": "1"},
+            "capabilities": {"tools": {"listChanged": True}, "prompts": {}, "resources": {}}}})
+    elif method == "notifications/cancelled":
+        with open(cancels, "a") as f:
+            f.write(json.dumps(request["params"]) + "\n")
+    elif method == "prompts/list":
+        send({"jsonrpc": "2.0", "id": request["id"], "result": {"prompts": PROMPTS}})
+    elif method == "prompts/get":
+        given = request["params"]["arguments"]
+        send({"jsonrpc": "2.0", "id": request["id"], "result": {"messages": [
+            {"role": "user", "content": {"type": "text", "text": "Review %s for %s." % (
+                given["file"], given.get("focus", "bugs"))}},
+            {"role": "user", "content": {"type": "image", "data": "aGk=", "mimeType": "x"}}]}})
+    elif method == "resources/list":
+        send({"jsonrpc": "2.0", "id": request["id"], "result": {"resources": RESOURCES}})
+        if "deaf" in sys.argv:   # its last list given, it never reads again
+            time.sleep(60)
+    elif method == "resources/read":
+        uri = request["params"]["uri"]
+        contents = [{"uri": uri, "text": "notes " * 5000}] if uri == "test://notes" else \
+            [{"uri": uri, "blob": "aGVsbG8=", "mimeType": "image/png"}]
+        send({"jsonrpc": "2.0", "id": request["id"], "result": {"contents": contents}})
     elif method == "tools/list":
         second = (request.get("params") or {}).get("cursor") == "page2"
         page = {"tools": TOOLS[3:]} if second else {"tools": TOOLS[:3], "nextCursor": "page2"}
         if "dupes" in sys.argv:   # every tool twice, and pages that never end
             page = {"tools": TOOLS[:2] * 2, "nextCursor": "again"}
         send({"jsonrpc": "2.0", "id": request["id"], "result": page})
-        if "deaf" in sys.argv and second:   # from now on, never read again
-            time.sleep(60)
     elif method == "tools/call":
         name, arguments = request["params"]["name"], request["params"].get("arguments") or {}
         if name == "echo":
@@ -3230,9 +3259,36 @@ for line in sys.stdin:
         elif name == "ask_back":
             send({"jsonrpc": "2.0", "id": 0, "method": "ping"})
             send({"jsonrpc": "2.0", "id": "r1", "method": "roots/list"})
+            send({"jsonrpc": "2.0", "id": 2, "method": "sampling/createMessage", "params": {}})
+            send({"jsonrpc": "2.0", "id": 3, "method": "elicitation/create", "params": {}})
+            send({"jsonrpc": "2.0", "id": 4, "method": "no/such"})
             send({"jsonrpc": "2.0", "method": "notifications/progress", "params": {}})
-            answers = [json.loads(sys.stdin.readline()) for _ in range(2)]
+            send({"jsonrpc": "2.0", "method": "notifications/message", "params": {
+                "level": "info", "logger": "db", "data": {"said": "hello log"}}})
+            answers = [json.loads(sys.stdin.readline()) for _ in range(5)]
             result(request, [{"type": "text", "text": json.dumps(answers, sort_keys=True)}])
+        elif name in ("slow", "silent"):   # slow: 0.8 s, reporting progress; silent: 0.35 s
+            token = request["params"]["_meta"]["progressToken"]
+            for step in range(4 if name == "slow" else 0):
+                send({"jsonrpc": "2.0", "method": "notifications/progress", "params": {
+                    "progressToken": token, "progress": step, "total": 4,
+                    "message": "step\x1b[2J"}})
+                time.sleep(0.2)
+            time.sleep(0.35 if name == "silent" else 0)
+            result(request, [{"type": "text", "text": name + " done"}])
+        elif name == "hang":   # answers never; reads on, so as to hear that it is cancelled
+            with open(cancels, "a") as f:
+                f.write("called %s\n" % request["id"])
+        elif name == "grow":
+            TOOLS.append({"name": "extra", "annotations": {"readOnlyHint": True}})
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+            result(request, [{"type": "text", "text": "grown"}])
+        elif name == "sign_in":
+            send({"jsonrpc": "2.0", "id": request["id"], "error": {
+                "code": -32042, "message": "sign in first", "data": {"elicitations": [
+                    {"mode": "url", "elicitationId": "e1", "message": "Link\u202eyour account",
+                     "url": "https://auth.example.com/go?id=e1\x1b[8m"},
+                    {"mode": "url", "elicitationId": "e2", "url": "javascript:alert(1)"}]}}})
         elif name == "crash":
             sys.exit(3)
         elif name == "picture":
@@ -3246,16 +3302,32 @@ for line in sys.stdin:
 '''
 
 
-def mcp_config(*modes):
-    """An --mcp file that starts the test server (in the given modes) as "test"."""
+def mcp_config(*modes, **entry):
+    """An --mcp file that starts the test server (in the given modes) as "test"; entry: more
+    of its entry ("timeout": 0.5, say)."""
     server = os.path.join(STATE, "mcp_server.py")
     with open(server, "w") as f:
         f.write(MCP_SERVER)
-    path = os.path.join(STATE, "mcp-%s.json" % "-".join(modes or ("plain",)))
+    path = os.path.join(STATE, "mcp-%s.json" % hashlib.sha1(repr((modes, entry)).encode())
+                        .hexdigest()[:12])
     with open(path, "w") as f:
-        json.dump({"mcpServers": {"test": {"command": sys.executable,
-                                           "args": [server, *modes]}}}, f)
+        json.dump({"mcpServers": {"test": dict({"command": sys.executable,
+                                                "args": [server, *modes]}, **entry)}}, f)
     return path
+
+
+def cancels_file(test):
+    """A file for the test server to write the notifications/cancelled it gets in, and the
+    mode that tells it so."""
+    path = os.path.join(STATE, "cancels-%s.jsonl" % test.id().rsplit(".", 1)[-1])
+    open(path, "w").close()
+    return path, "cancels=" + path
+
+
+def lines_of(path):
+    """The lines of a file, as they are now."""
+    with open(path) as f:
+        return f.read().splitlines()
 
 
 class McpTest(unittest.TestCase):
@@ -3265,9 +3337,9 @@ class McpTest(unittest.TestCase):
         patch.start()
         self.addCleanup(patch.stop)
 
-    def start(self, url="http://127.0.0.1:9/v1", *modes, flags=("--yes",)):
+    def start(self, url="http://127.0.0.1:9/v1", *modes, flags=("--yes",), **entry):
         """A session with the test MCP server started in it."""
-        session = agent.new_session(config(url, "--mcp", mcp_config(*modes), *flags,
+        session = agent.new_session(config(url, "--mcp", mcp_config(*modes, **entry), *flags,
                                            XDG_STATE_HOME=STATE))
         with contextlib.redirect_stderr(io.StringIO()) as err:
             agent.start_mcp(session)
@@ -3295,14 +3367,22 @@ class McpTest(unittest.TestCase):
                          "[image: image/png, 11 B]\na picture")
 
     def test_tool_errors_server_requests_and_crashes_are_results(self):
-        """isError and a crash mid-call are error results; the server's own requests (ping,
-        with id 0) are answered, unknown ones refused; notifications ignored."""
+        """isError and a crash mid-call are error results; the server's own requests are
+        answered: ping (with id 0), roots/list with the workspace as the one root; sampling,
+        elicitation and unknown ones refused, saying so; a log message goes to its log file."""
         session, _ = self.start()
         self.assertEqual(self.call(session, "mcp__test__fail"),
                          "error: mcp_tool_error: test fail: it broke")
         answers = json.loads(self.call(session, "mcp__test__ask_back"))
         self.assertEqual(answers[0], {"id": 0, "jsonrpc": "2.0", "result": {}})
-        self.assertEqual((answers[1]["id"], answers[1]["error"]["code"]), ("r1", -32601))
+        self.assertEqual(answers[1], {"id": "r1", "jsonrpc": "2.0", "result": {"roots": [
+            {"uri": "file://" + WORK, "name": "work"}]}})
+        self.assertIn("does not support sampling/createMessage", answers[2]["error"]["message"])
+        self.assertIn("does not support elicitation/create", answers[3]["error"]["message"])
+        self.assertEqual([a["error"]["code"] for a in answers[2:]], [-32601] * 3)
+        self.assertEqual(session.servers[0].capabilities["prompts"], {})
+        self.assertTrue(any('db: {"said": "hello log"}' in line
+                            for line in lines_of(session.servers[0].log)))
         crashed = self.call(session, "mcp__test__crash")
         self.assertTrue(crashed.startswith("error: mcp_error: MCP server test exited"), crashed)
         after = self.call(session, "mcp__test__echo", text="x")
@@ -3412,6 +3492,476 @@ class McpTest(unittest.TestCase):
         """${VAR} and ${VAR:-default} are filled in from the environment."""
         self.assertEqual(agent.expand({"a": ["${X}", "${Y:-dflt}", "${X:-no}"]}, {"X": "1"}),
                          {"a": ["1", "dflt", "1"]})
+
+    def test_a_long_call_lives_on_progress_and_its_own_timeout(self):
+        """A call may outlast its server's timeout while it reports progress (shown on stderr,
+        made printable), and a silent one may take as long as the timeout in its entry, longer
+        than the default; each call asks for progress with a progressToken."""
+        with unittest.mock.patch.object(agent, "MCP_SECONDS", 0.2):   # the default
+            session, _ = self.start(timeout=0.5)
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                started = time.monotonic()
+                self.assertEqual(self.call(session, "mcp__test__slow"), "slow done")
+                self.assertGreater(time.monotonic() - started, 0.7)   # past 0.5 s, on progress
+                self.assertEqual(self.call(session, "mcp__test__silent"), "silent done")
+            self.assertIn("  … test slow: 0/4 step\\x1b[2J", err.getvalue())
+            session, _ = self.start()   # the default: 0.2 s of silence is all
+            self.assertIn("did not answer tools/call within 0.2 s",
+                          self.call(session, "mcp__test__silent"))
+
+    def test_a_call_given_up_is_cancelled(self):
+        """A call that outlasts its timeout is an error result, and the server is sent
+        notifications/cancelled with its request id and a reason, so that it stops."""
+        path, mode = cancels_file(self)
+        session, _ = self.start("http://127.0.0.1:9/v1", mode, timeout=0.3)
+        result = self.call(session, "mcp__test__hang")
+        self.assertTrue(result.startswith("error: mcp_error: MCP server test did not answer "
+                                          "tools/call within 0.3 s"), result)
+        self.assertEqual(self.call(session, "mcp__test__echo", text="after"), "echo: after")
+        called, cancelled = lines_of(path)
+        self.assertEqual(json.loads(cancelled), {"requestId": int(called.split()[1]),
+                                                 "reason": "no answer within 0.3 s"})
+
+    def test_ctrl_c_during_a_call_cancels_it_and_keeps_the_transcript(self):
+        """Ctrl+C while an MCP tool runs (beside another read) stops the turn at once: the
+        server is sent notifications/cancelled, the transcript stays valid and the session
+        goes on."""
+        path, mode = cancels_file(self)
+        script = [calls(tool_call("mcp__test__hang"), tool_call("list_dir")), reply("next answer")]
+        with CannedServer(script) as server:
+            term = Terminal(server.url, "--mcp", mcp_config(mode))
+            term.expect("› ")
+            term.type("wait for it\n")
+            while not lines_of(path):   # the call has reached the server
+                time.sleep(0.02)
+            term.process.send_signal(signal.SIGINT)
+            term.expect("interrupted; the conversation is kept")
+            term.expect("› ")
+            term.type("again\n")
+            term.expect("next answer")
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+            called, cancelled = lines_of(path)
+            messages = server.bodies()[-1]["messages"]
+        self.assertEqual(json.loads(cancelled), {"requestId": int(called.split()[1]),
+                                                 "reason": "the user interrupted it"})
+        assert_valid(self, messages)
+        self.assertEqual(messages[3]["content"], "error: interrupted: [interrupted by the user]")
+
+    def test_a_changed_tool_list_is_applied_at_the_next_question(self):
+        """notifications/tools/list_changed is noted mid-turn, and the tools are read again only
+        at the start of the next question: every request of one turn sends the same tools, and
+        the next turn's say so in one line. A tool that runs only as a task is never offered."""
+        script = [calls(tool_call("mcp__test__grow")), reply("grown"), reply("again")]
+        with CannedServer(script) as server:
+            session, _ = self.start(server.url)
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                agent.run_turn(session, "grow")
+                self.assertNotIn("tools changed", err.getvalue())
+                agent.run_turn(session, "and now?")
+            tools = [[t["function"]["name"] for t in body["tools"]] for body in server.bodies()]
+        self.assertEqual(server.bodies()[0]["tools"], server.bodies()[1]["tools"])
+        self.assertNotIn("mcp__test__extra", tools[1])
+        self.assertEqual(tools[2], tools[1] + ["mcp__test__extra"])
+        self.assertIn("(mcp: test's tools changed: 12 now; the model sees the new list from "
+                      "this question on)", err.getvalue())
+        self.assertFalse([t for t in tools[2] if "later" in t])   # taskSupport: required
+
+    def test_a_call_that_needs_the_user_at_a_url_shows_it(self):
+        """A -32042 error (the user must open a page first) shows each web address to the user,
+        made printable, with its host; one that is no web address is not shown; the model is
+        told the user must open it, and to call again, not that retrying cannot help."""
+        session, _ = self.start()
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            result = self.call(session, "mcp__test__sign_in")
+        shown = err.getvalue()
+        self.assertIn("mcp test: sign_in needs you to open a page on auth.example.com: "
+                      "Link\\u202eyour account", shown)
+        self.assertIn("    https://auth.example.com/go?id=e1\\x1b[8m", shown)
+        self.assertNotIn("\x1b[8m", shown)
+        self.assertNotIn("javascript", shown + result)
+        self.assertTrue(result.startswith("error: mcp_needs_user: test sign_in needs the user "
+                                          "to open https://auth.example.com/go?id=e1"), result)
+        self.assertIn("call the tool again once they say", result)
+
+    def test_resources_are_read_as_text_capped(self):
+        """read_resource() gives a resource's text, cut like a read_file result; binary contents
+        in a line; an unknown server or a failing read is an McpError of one line."""
+        session, _ = self.start()
+        notes = agent.read_resource(session, "test", "test://notes")
+        self.assertTrue(notes.startswith("notes notes"))
+        self.assertLessEqual(len(notes), agent.RESULT_CAP + 200)
+        self.assertIn("characters cut here", notes)
+        self.assertEqual(agent.read_resource(session, "test", "test://logo"),
+                         "[image/png content, 5 B, not shown]")
+        with self.assertRaisesRegex(agent.McpError, "no MCP server 'nope' is running"):
+            agent.read_resource(session, "nope", "test://notes")
+        session.servers[0].capabilities.pop("resources")
+        with self.assertRaisesRegex(agent.McpError, "^MCP server test has no resources$"):
+            agent.read_resource(session, "test", "test://notes")
+
+    def test_prompts_are_slash_commands_and_mcp_lists_everything(self):
+        """In the REPL, /mcp lists each server's tools, prompts (as commands) and resources, and
+        /mcp__test__review ARGS asks the prompt's text as the question: words fill its
+        arguments in order, NAME=VALUE names one; what is not text is left out, said so."""
+        with CannedServer([reply("reviewed")]) as server:
+            term = Terminal(server.url, "--mcp", mcp_config())
+            for keys, shows in (("/mcp\n", "resource test://logo"),
+                                ("/mcp__test__review\n", "it needs file"),
+                                ("/mcp__test__review 'hello.py' focus=speed\n", "reviewed")):
+                term.expect("› ")
+                term.type(keys)
+                term.expect(shows)
+            term.expect("› ")
+            term.type("/quit\n")
+            self.assertEqual(term.close(), 0)
+            question = server.bodies()[0]["messages"][-1]["content"]
+        self.assertEqual(question, "Review hello.py for speed.")
+        listing = term.shown.decode()
+        self.assertIn("test: ready 2025-06-18 (", listing)
+        self.assertIn("  /mcp__test__review file [focus]  Review a file", listing)
+        self.assertIn("(1 more that run only as tasks: not offered)", listing)
+        self.assertIn("(left out of the prompt, which sends only text: 1 image)", listing)
+        self.assertEqual(agent.prompt_arguments(
+            {"arguments": [{"name": "a"}, {"name": "b"}]}, "one two three"),
+            {"a": "one", "b": "two three"})   # the last takes the rest of the line
+
+
+# ----------------------------------------------------------------------------------------------
+# 22b. MCP over HTTP
+# ----------------------------------------------------------------------------------------------
+# An MCP server over streamable HTTP, standard library only: it names a session in its answer
+# to initialize and answers 404 to any other session (server.session = None expires it); it
+# answers some requests with JSON, others with a stream of events (a log message first, or
+# progress), takes notifications with 202, has a GET stream of its own only if server.unasked
+# is set (it says its tools changed, then holds the stream open), else 405 but for a stream
+# that broke off (resume), and records every request and every notifications/cancelled.
+
+class McpHttpServer(ThreadingHTTPServer):
+    """A streamable-HTTP MCP server at /mcp that records what it is sent."""
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), McpHttpHandler)
+        self.requests, self.cancels, self.sessions, self.session = [], [], 0, None
+        self.redirect, self.unasked, self.hung_up = False, False, threading.Event()
+
+    @property
+    def url(self):
+        return "http://127.0.0.1:%d/mcp" % self.server_address[1]
+
+    def posted(self, method):
+        """The requests and notifications POSTed with this method, in order."""
+        return [r for r in self.requests if r["body"] and r["body"].get("method") == method]
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, args=(0.01,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+class McpHttpHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    TOOLS = [{"name": name, "annotations": {"readOnlyHint": True}}
+             for name in ("echo", "slow", "hang", "resume", "junk", "wrong_id", "huge")]
+
+    def log_message(self, *args):
+        pass
+
+    def record(self, body=None):
+        self.server.requests.append({"method": self.command, "headers": dict(self.headers),
+                                     "body": body})
+
+    def answer(self, status, body=b"", headers=()):
+        body = json.dumps(body).encode() if isinstance(body, dict) else body
+        self.send_response(status)
+        for name, value in dict(headers, **{"Content-Length": str(len(body))}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def events(self, *events, pause=0.0, forever=None):
+        """A text/event-stream of these events (dicts are sent as data: JSON); forever: an
+        event to send every 50 ms after them, until the client hangs up."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for event in events:
+                self.wfile.write(b"data: %s\n\n" % json.dumps(event).encode()
+                                 if isinstance(event, dict) else event)
+                self.wfile.flush()
+                time.sleep(pause)
+            while forever:
+                self.wfile.write(forever if isinstance(forever, bytes) else
+                                 b"data: %s\n\n" % json.dumps(forever).encode())
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:   # the client has hung up
+            self.server.hung_up.set()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.record(body)
+        method, number = body.get("method"), body.get("id")
+        if self.server.redirect:
+            return self.answer(307, headers={"Location": "http://elsewhere.example/mcp"})
+        if method == "initialize":
+            self.server.sessions += 1
+            self.server.session = "s%d" % self.server.sessions
+            return self.answer(200, {"jsonrpc": "2.0", "id": number, "result": {
+                "protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}},
+                {"Mcp-Session-Id": self.server.session, "Content-Type": "application/json"})
+        if self.headers.get("Mcp-Session-Id") != self.server.session:
+            return self.answer(404, {"jsonrpc": "2.0", "error": {"code": -32001,
+                                                                 "message": "no such session"}})
+        if number is None or method is None:   # a notification, or our answer to a request
+            if method == "notifications/cancelled":
+                self.server.cancels.append(body["params"])
+            return self.answer(202)
+        answer = lambda result: {"jsonrpc": "2.0", "id": number, "result": result}
+        if method == "tools/list":
+            return self.events(b"id: p1\ndata:\n\n", {"jsonrpc": "2.0", "method":
+                               "notifications/message", "params": {"level": "info",
+                                                                   "data": "list\x1b[2J"}},
+                               answer({"tools": self.TOOLS}))
+        name = body["params"]["name"]
+        text = lambda words: answer({"content": [{"type": "text", "text": words}]})
+        token = body["params"].get("_meta", {}).get("progressToken")
+        progress = lambda n: {"jsonrpc": "2.0", "method": "notifications/progress",
+                              "params": {"progressToken": token, "progress": n}}
+        if name == "echo":
+            self.answer(200, text("echo: " + body["params"]["arguments"].get("text", "")),
+                        {"Content-Type": "application/json"})
+        elif name == "slow":   # 0.6 s, reporting progress every 0.2 s
+            self.events(progress(1), progress(2), progress(3), text("slow done"), pause=0.2)
+        elif name == "hang":   # log messages for ever, and never an answer
+            self.events(b": hello\n\n", forever={"jsonrpc": "2.0", "method":
+                                                 "notifications/message",
+                                                 "params": {"level": "debug", "data": "."}})
+        elif name == "resume":   # names its events and leaves; the rest comes on a GET
+            self.server.resumed = text("resumed")
+            self.events(b"id: r1\nretry: 20\ndata:\n\n")
+        elif name == "junk":
+            self.answer(200, b"<html>not json", {"Content-Type": "application/json"})
+        elif name == "wrong_id":
+            self.answer(200, dict(text("?"), id=999), {"Content-Type": "application/json"})
+        elif name == "huge":
+            self.events(text("x" * 5000))
+
+    def do_GET(self):
+        self.record()
+        if self.headers.get("Last-Event-ID") == "r1" and \
+                self.headers.get("Mcp-Session-Id") == self.server.session:
+            return self.events(b"id: r2\n" + b"data: %s\n\n" % json.dumps(
+                self.server.resumed).encode())
+        if self.server.unasked:
+            return self.events({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"},
+                               forever=b": still here\n\n")
+        self.answer(405)
+
+    def do_DELETE(self):
+        self.record()
+        self.answer(200 if self.headers.get("Mcp-Session-Id") == self.server.session else 404)
+
+
+def http_entry(url, **more):
+    """An --mcp file with one HTTP server, "remote", at url."""
+    path = os.path.join(STATE, "mcp-http-%s.json" % hashlib.sha1(
+        repr((url, more)).encode()).hexdigest()[:12])
+    with open(path, "w") as f:
+        json.dump({"mcpServers": {"remote": dict({"type": "http", "url": url}, **more)}}, f)
+    return path
+
+
+class McpHttpTest(unittest.TestCase):
+
+    def start(self, server, *flags, environ=None, **entry):
+        """A session with the HTTP server "remote" at server.url connected."""
+        session = agent.new_session(config("http://127.0.0.1:9/v1", "--mcp",
+                                           http_entry(server.url, **entry), *flags,
+                                           **(environ or {})))
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            agent.start_mcp(session)
+        self.addCleanup(agent.stop_mcp, session)
+        return session, err.getvalue()
+
+    def call(self, session, name, **arguments):
+        return agent.execute(session.cfg, name, json.dumps(arguments), session.tools,
+                             None, session.handlers)
+
+    def test_messages_are_posts_answered_by_json_or_events_in_a_session(self):
+        """Each message is a POST that accepts JSON or events; an answer may come either way,
+        after the server's own notifications; the session it names and the protocol version
+        agreed go with every request after initialize, with the headers of the entry (${VAR}
+        filled in); a notification is taken with 202; on exit the session is DELETEd."""
+        with McpHttpServer() as server:
+            session, err = self.start(server, environ={"MCP_TOKEN": "tok123"},
+                                      headers={"Authorization": "Bearer ${MCP_TOKEN}"})
+            self.assertEqual(err, "")
+            remote = session.servers[0]
+            self.assertEqual((remote.state, remote.version), ("ready", "2025-06-18"))
+            self.assertIn("mcp__remote__echo", session.handlers)   # listed in a stream
+            self.assertEqual(self.call(session, "mcp__remote__echo", text="hi"), "echo: hi")
+            agent.stop_mcp(session)
+            posts = [r for r in server.requests if r["method"] == "POST"]
+            deleted = [r for r in server.requests if r["method"] == "DELETE"]
+        self.assertEqual([r["body"].get("method") for r in posts],
+                         ["initialize", "notifications/initialized", "tools/list", "tools/call"])
+        first, *rest = posts
+        self.assertNotIn("Mcp-Session-Id", first["headers"])
+        self.assertNotIn("MCP-Protocol-Version", first["headers"])
+        for request in posts:
+            self.assertEqual(request["headers"]["Accept"], "application/json, text/event-stream")
+            self.assertEqual(request["headers"]["Authorization"], "Bearer tok123")
+        for request in rest + deleted:
+            self.assertEqual((request["headers"]["Mcp-Session-Id"],
+                              request["headers"]["MCP-Protocol-Version"]), ("s1", "2025-06-18"))
+        self.assertEqual(len(deleted), 1)
+        self.assertTrue(any(line.endswith("info: list\\x1b[2J")   # a log safe to cat
+                            for line in lines_of(remote.log)))
+
+    def test_a_forgotten_session_is_begun_again_once(self):
+        """A 404 to a request that carried the session: a new initialize, without it, and the
+        request sent again in the new session; the lists are read again at the next turn."""
+        with McpHttpServer() as server:
+            session, _ = self.start(server)
+            server.session = None   # the server forgets s1
+            self.assertEqual(self.call(session, "mcp__remote__echo", text="again"),
+                             "echo: again")
+            calls = server.posted("tools/call")
+            initializes = server.posted("initialize")
+        self.assertEqual([r["headers"].get("Mcp-Session-Id") for r in calls], ["s1", "s2"])
+        self.assertEqual(len(initializes), 2)
+        self.assertNotIn("Mcp-Session-Id", initializes[1]["headers"])
+        self.assertIn("tools", session.servers[0].changed)
+
+    def test_progress_keeps_a_call_alive_and_an_endless_stream_is_cancelled(self):
+        """Over HTTP too, progress in the stream keeps a call alive past its timeout, while a
+        stream that only chatters (log messages) is given up at the timeout: the server is sent
+        notifications/cancelled, and the stream is closed."""
+        with McpHttpServer() as server:
+            session, _ = self.start(server, timeout=0.3)
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                self.assertEqual(self.call(session, "mcp__remote__slow"), "slow done")
+            self.assertIn("  … remote slow: 1\n", err.getvalue())
+            result = self.call(session, "mcp__remote__hang")
+            self.assertTrue(result.startswith("error: mcp_error: MCP server remote did not "
+                                              "answer tools/call within 0.3 s"), result)
+            self.assertTrue(server.hung_up.wait(2))
+            hang = server.posted("tools/call")[-1]["body"]
+        self.assertEqual(server.cancels, [{"requestId": hang["id"],
+                                           "reason": "no answer within 0.3 s"}])
+        self.assertEqual(hang["params"]["_meta"], {"progressToken": hang["id"]})
+
+    def test_what_the_server_says_unasked_comes_on_a_get_stream(self):
+        """After the handshake a GET stream is opened, in the session, for what the server says
+        unasked: a tool list that changed is noted there, to be read at the next question."""
+        with McpHttpServer() as server:
+            server.unasked = True
+            session, _ = self.start(server)
+            remote = session.servers[0]
+            for _ in range(100):
+                if remote.changed:
+                    break
+                time.sleep(0.02)
+            get = [r for r in server.requests if r["method"] == "GET"][0]
+        self.assertEqual(remote.changed, {"tools"})
+        self.assertEqual((get["headers"]["Accept"], get["headers"]["Mcp-Session-Id"]),
+                         ("text/event-stream", "s1"))
+
+    def test_a_stream_that_breaks_off_is_resumed(self):
+        """A stream that ends before its answer, having numbered its events, is asked for the
+        rest with a GET and Last-Event-ID, after the wait it named."""
+        with McpHttpServer() as server:
+            session, _ = self.start(server)
+            self.assertEqual(self.call(session, "mcp__remote__resume"), "resumed")
+            gets = [r for r in server.requests if r["method"] == "GET"]
+        self.assertIn("r1", [r["headers"].get("Last-Event-ID") for r in gets])
+
+    def test_a_server_that_lies_or_redirects_is_an_error_of_one_line(self):
+        """Junk for JSON, an answer to another id, a body over the cap: one-line errors; a
+        redirect is not followed (the token would go with it): the server fails to start."""
+        with McpHttpServer() as server:
+            session, _ = self.start(server)
+            for tool, said in (("junk", "with no JSON message: b'<html>not json'"),
+                               ("wrong_id", "with a message that is no answer to it"),
+                               ("huge", "sent over 1000 B in one reply or one streamed event")):
+                with unittest.mock.patch.object(agent, "REPLY_CAP", 1000):
+                    result = self.call(session, "mcp__remote__" + tool)
+                self.assertIn(said, result)
+                self.assertNotIn("\n", result)
+            server.redirect = True
+            session, err = self.start(server, headers={"Authorization": "Bearer secret"})
+        self.assertIn("mcp: remote: failed: MCP server remote redirected to "
+                      "http://elsewhere.example/mcp (HTTP 307); a redirect is not followed", err)
+        self.assertEqual(session.mcp_failed[0]["name"], "remote")
+
+    def test_each_entry_is_judged_alone(self):
+        """An .mcp.json entry that is wrong (an unknown type, no url, a header with a line
+        break, a bad timeout, no command) is left out with one line naming it and what is wrong;
+        the good ones beside it are kept, an http one with its headers filled in."""
+        path = os.path.join(STATE, "entries.json")
+        with open(path, "w") as f:
+            json.dump({"mcpServers": {
+                "good": {"type": "http", "url": "https://mcp.example.com/mcp",
+                         "headers": {"X-Key": "${KEY}"}, "timeout": 120},
+                "cursor": {"url": "http://127.0.0.1:1/mcp"},
+                "odd": {"type": "websocket", "url": "ws://x"},
+                "nourl": {"type": "http"},
+                "split": {"type": "http", "url": "https://x.example",
+                          "headers": {"A": "1\r\nB: 2"}},
+                "slow": {"command": "x", "timeout": "soon"},
+                "old": {"type": "sse", "url": "https://x.example/sse"},
+                "bare": {"args": []}}}, f)
+        servers, problems = agent.mcp_servers(WORK, [path], {"KEY": "k1"}, {})
+        self.assertEqual(sorted(servers), ["cursor", "good"])
+        self.assertEqual((servers["good"]["headers"], servers["good"]["timeout"]),
+                         ({"X-Key": "k1"}, 120))
+        said = {p["name"]: p["error"] for p in problems}
+        self.assertEqual(sorted(said), ["bare", "nourl", "odd", "old", "slow", "split"])
+        self.assertIn("server 'odd' not used: its type 'websocket' is not \"stdio\" or \"http\"",
+                      said["odd"])
+        self.assertIn('it needs a "url" that starts with http:// or https://', said["nourl"])
+        self.assertIn("without line breaks", said["split"])
+        self.assertIn('"timeout" must be a number of seconds', said["slow"])
+        self.assertIn('"sse" (the old HTTP+SSE transport) is not supported', said["old"])
+        self.assertIn('it needs a "command" string', said["bare"])
+
+    def test_a_workspace_http_server_asks_first_and_json_reports_failures(self):
+        """A workspace's HTTP server connects only once allowed; the question shows where it
+        connects and each header as the file writes it, a ${VAR} by name and whether it is set,
+        never its value, nor the API key. --json reports each server that did not start."""
+        with open(os.path.join(WORK, ".mcp.json"), "w") as f:
+            json.dump({"mcpServers": {"remote": {"type": "http", "url": "http://127.0.0.1:1/mcp",
+                                                 "headers": {"Authorization": "Bearer ${TEAM}",
+                                                             "X-Llm": "${LLM_API_KEY}"}}}}, f)
+        self.addCleanup(os.unlink, os.path.join(WORK, ".mcp.json"))
+        broken = os.path.join(STATE, "broken-json.json")
+        with open(broken, "w") as f:
+            json.dump({"mcpServers": {"gone": {"command": "/no/such/program"}}}, f)
+        with CannedServer([reply("fine")]) as model:
+            code, out, err = cli(["--json", "--mcp", broken, "q"], url=model.url,
+                                 env={"TEAM": "team-secret", "LLM_API_KEY": "llm-secret"})
+        self.assertEqual(code, 0, err)
+        self.assertEqual(json.loads(out)["mcp_failed"], [
+            {"name": "remote", "error": "not allowed to start"},
+            {"name": "gone", "error": "cannot run '/no/such/program': not found on its PATH"}])
+        for shown in ("connect to http://127.0.0.1:1/mcp", "# in PLAIN TEXT (http)",
+                      "# with the header Authorization: Bearer ${TEAM}",
+                      "# ${TEAM}: set in your environment, not shown",
+                      "# ${LLM_API_KEY}: never filled in from a workspace's file"):
+            self.assertIn(shown, err)
+        self.assertNotIn("secret", err + out)
+        cfg = config("http://127.0.0.1:9/v1", TEAM="team-secret", LLM_API_KEY="llm-secret")
+        self.assertEqual(cfg.mcp["remote"]["headers"], {"Authorization": "Bearer team-secret",
+                                                        "X-Llm": ""})   # the key: never
 
 
 # ----------------------------------------------------------------------------------------------
