@@ -37,8 +37,8 @@ servers and real users. `grep -nE '^# (PART|[0-9])' agent.py` prints the content
     PART I    The agent                 1-9
     PART II   The tools in full         10-17
     PART III  Surviving real servers    18-21
-    PART IV   Extensions                22-26
-    PART V    The program around it     27-31
+    PART IV   Extensions                22-31
+    PART V    The program around it     32-37
 
 Run it:
     python3 agent.py --demo                          a scripted model walks the loop, offline
@@ -49,7 +49,7 @@ Run it:
     python3 agent.py --auto "make the tests pass"    edits and sandboxed commands unasked
     python3 agent.py --undo                          put back what the last turn changed
     python3 agent.py --tool search '{"pattern": "def main"}'    run one tool, no model
-LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 27 lists every setting.
+LLM_URL, LLM_MODEL and LLM_API_KEY point it at a server; section 32 lists every setting.
 
 Glossary:
     message     one entry of the chat: {"role": "system" | "user" | "assistant" | "tool", ...}
@@ -218,7 +218,7 @@ FINAL_REQUEST = ("[agent] Stopped ({why}). Do not call tools. Answer the questio
 # ----------------------------------------------------------------------------------------------
 # 2. The session: what one conversation carries
 # ----------------------------------------------------------------------------------------------
-# Config is what the user set (section 27); a Session is one conversation: its transcript, the
+# Config is what the user set (section 32); a Session is one conversation: its transcript, the
 # tools it offers, what it has learned about the server, and how it talks to the user. It is a
 # record of the program's own; what travels to the server stays plain JSON, in its messages.
 
@@ -227,7 +227,7 @@ class Session:
     """One conversation: its transcript, and what it has learned and shown along the way.
     Each field is explained where it is used; here they are by kind."""
     cfg: Config
-    # the conversation (sections 3, 20, 24)
+    # the conversation (sections 3, 20, 29)
     messages: list = dataclasses.field(default_factory=list)  # the transcript
     system: str = ""                       # the system prompt, before any summary is added
     call_ids: set = dataclasses.field(default_factory=set)   # every tool-call id handed out
@@ -237,7 +237,7 @@ class Session:
     path: str = ""                         # the file the transcript is saved in, as it grows
     saved: int = 0                         # messages written to it so far
     exit_reason: str = ""                  # how the last turn ended: answer, max_turns, ...
-    # the tools (sections 4, 7, 8, 22, 23)
+    # the tools (sections 4, 7, 8, 22, 28)
     tools: list = dataclasses.field(default_factory=list)    # the schemas offered, fixed
     handlers: dict = dataclasses.field(default_factory=dict)  # the session's own tools: MCP, task
     serial: set = dataclasses.field(default_factory=set)      # tools that run alone, in order
@@ -245,9 +245,9 @@ class Session:
     changes: int = 0                       # changes made so far: a call repeated after one
                                            # may see something new, so is not a repeat
     recovered: int = 0                     # calls the model wrote as text, run (section 21)
-    rules: Optional[list] = None           # the user's command rules, once read (section 25)
+    rules: Optional[list] = None           # the user's command rules, once read (section 30)
     turns: int = 0                         # questions asked so far: the turn under way
-    checkpointed: int = -1                 # the turn last snapshotted for /undo (section 26)
+    checkpointed: int = -1                 # the turn last snapshotted for /undo (section 31)
     checkpoints: bool = True               # False once a snapshot has failed, or if turned off
     interrupted: bool = False              # Ctrl+C ended the turn: reads still running in
                                            # threads print nothing more
@@ -262,7 +262,7 @@ class Session:
     last_prompt: tuple = (0, 0)            # (prompt tokens the server counted, messages then)
     read_less: bool = False                # the server was seen reading less than it was sent
     usage: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # totals
-    # the screen and the record (sections 28, 29)
+    # the screen and the record (sections 33, 34)
     show: Optional[Callable] = None        # show(kind, text) prints a reply as it streams in
     shown: set = dataclasses.field(default_factory=set)   # what of the last reply was shown
     indent: str = ""                       # before every line printed: a sub-agent's is deeper
@@ -917,9 +917,9 @@ def one_line(text, width) -> str:
 # goes back to the model, a(lways), or ? for the full arguments. [a]lways allows this tool for
 # the session, or, for a command, the commands that start with the same words, for good in this
 # workspace. Some changes go ahead unasked, still shown: what --yes, --auto or such a rule
-# allows, and commands that only read, in the OS sandbox (section 25). With no terminal to ask
+# allows, and commands that only read, in the OS sandbox (section 30). With no terminal to ask
 # on, the answer is no; nothing ever waits for input that cannot come. Before the first change
-# of a turn goes ahead, the workspace is snapshotted, so that /undo can put it back (26).
+# of a turn goes ahead, the workspace is snapshotted, so that /undo can put it back (31).
 
 @dataclasses.dataclass
 class Plan:
@@ -929,7 +929,7 @@ class Plan:
     needs_approval: bool = True      # False: runs unasked, but still as a Plan, which runs
                                      # free of the tool time limit (a task, say)
     subject: str = ""                # what it changes, named in the question: "src/app.py"
-    command: str = ""                # a command to run: rules and modes apply (section 25)
+    command: str = ""                # a command to run: rules and modes apply (section 30)
     sandbox: str = ""                # where it runs: "read" or "write" (the workspace may be
                                      # written) in the OS sandbox, "" outside (section 16)
     outside: str = ""                # why it must run outside the sandbox: always asked about
@@ -946,7 +946,7 @@ ASK = "Allow {}? [y]es  [n]o, or type a reason{}  [?] arguments › "
 def approve(session, name, args, plan):
     """May this change go ahead? (allowed, what the model is told if not). Asked of the user
     unless allowed in advance; once allowed, and before it is made, the workspace is
-    snapshotted if this is the turn's first change (section 26)."""
+    snapshotted if this is the turn's first change (section 31)."""
     allowed, reason = ask_permission(session, name, args, plan)
     if allowed and plan.sandbox != "read":   # a command that only reads changes nothing
         checkpoint(session)
@@ -1212,7 +1212,7 @@ def normalise(session, data, tools=()) -> Reply:
     message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content = text_of(message.get("content"))
     reasoning = text_of(message.get("reasoning") or message.get("reasoning_content"))
-    # thinking some servers leave in the text (Screen.show, section 28, splits it alike)
+    # thinking some servers leave in the text (Screen.show, section 33, splits it alike)
     think = re.match(r"\s*<think>(.*?)(?:</think>\s*|\Z)", content, re.S)   # closed or not
     if think:
         reasoning, content = reasoning + think.group(1), content[think.end():]
@@ -2559,7 +2559,7 @@ def stat_fields(pid) -> list:
 # the agent's own state) hidden; no network; a PID namespace of its own, so that the agent's
 # processes and their environment are out of sight and nothing outlives the command; no
 # capabilities, no unix sockets (a docker.sock is root on the host), and no variables that
-# look like credentials. A command that only reads (reads_only, section 25) gets the workspace
+# look like credentials. A command that only reads (reads_only, section 30) gets the workspace
 # read-only too. What needs more fails inside, its result says why, and the model may ask to
 # run it outside the sandbox, which the user is always asked about. Elsewhere (macOS, Windows,
 # no bwrap) commands run as before, approved.
@@ -3572,7 +3572,7 @@ def text_calls(content, tools) -> tuple:
 # Where a call may begin: a tag, or a fence, object or list at the start of a line.
 TEXT_CALL = re.compile(r"<tool_call>|<function=|\[TOOL_CALLS\]|<\|python_tag\|>|^```|^[{\[]",
                        re.M)
-# How a reply that is a call written as text begins: the screen holds such text back (28).
+# How a reply that is a call written as text begins: the screen holds such text back (33).
 CALL_OPENINGS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>", "```json\n",
                  "```\n", "{", "[")
 # Words that make the text before a call an explanation of it, not an announcement.
@@ -3747,13 +3747,9 @@ def text_call_ok(schemas, name, arguments) -> bool:
 # applied at the start of the next question, never within a turn, whose requests must keep
 # sending the same tools. A server that will not start, dies or goes quiet becomes an error
 # result or a one-line warning, never a hang.
-#
-# McpServer is that protocol, whatever carries it; a transport carries it. StdioTransport, here,
-# starts the server as a child process and writes one message a line on its stdin, reading its
-# stdout; HttpTransport (22b) posts each message to a URL. Servers come from .mcp.json at the
-# root (the file Claude Code and Cursor read) and from --mcp FILE: {"mcpServers": {NAME:
-# {"command", "args", "env"} or {"type": "http", "url", "headers"}}}, each with a "timeout" in
-# seconds if the default (AGENT_MCP_TIMEOUT) will not do.
+# Here: how a server's tools are offered and called. Where servers come from, and the question
+# before one starts: section 23. The client that speaks the protocol: 24. Its two ways to a
+# server: 25 (stdio) and 26 (HTTP). Prompts and resources: 27.
 
 def start_mcp(session):
     """Start (or connect to) the configured MCP servers side by side; offer their tools."""
@@ -3859,39 +3855,6 @@ def refresh_mcp(session):
                         f"sees the new list from this question on)", DIM)
 
 
-def may_start(session, name, spec) -> bool:
-    """May this server start? --mcp ones may; one from the workspace's .mcp.json, if allowed.
-    The question shows all that decides what runs: the program its PATH finds, where that
-    is, every argument, and every variable the file sets (PATH, LD_PRELOAD, NODE_OPTIONS…);
-    for an HTTP server, where it connects and the headers it sends (section 22b)."""
-    if not spec["from_workspace"] or session.cfg.yes:
-        return True
-    if spec["type"] == "http":
-        preview = http_preview(spec, session.cfg.shell_env)
-        shown = spec["written"]
-    else:
-        program, root = spec["program"], session.cfg.root
-        where = "INSIDE THE WORKSPACE" if inside(root, program) or \
-            inside(root, os.path.realpath(program)) else "on this machine"
-        given = {k: v for k, v in spec["env"].items() if session.cfg.shell_env.get(k) != v}
-        preview = "\n".join([f"$ {shlex.join([spec['command'], *spec['args']])}",
-                             f"# runs {program} ({where}), in an empty folder of its own"] +
-                            [f"# with {k}={v}" for k, v in sorted(given.items())])
-        shown = {"program": program, "args": spec["args"], "env": given}
-    allowed, _ = ask_permission(session, f"MCP server {name}", shown, Plan(preview, str))
-    return allowed
-
-
-def find_program(command, env, cwd) -> str:
-    """The program a command names, found as the server's own PATH finds it from cwd, as an
-    absolute path ('' if none): started by that path, what runs is what was shown."""
-    folders = os.pathsep.join(os.path.join(cwd, d) for d in
-                              env.get("PATH", os.defpath).split(os.pathsep))
-    found = shutil.which(os.path.join(cwd, command) if os.path.dirname(command) else command,
-                         path=folders)
-    return os.path.normpath(found) if found else ""
-
-
 def slim_schema(schema, defs=None, depth=0, inside=()):
     """An MCP tool's input schema as a small model reads it best, meaning the same: no $schema
     or titles, local $refs written out in place, anyOf [X, null] as X, descriptions cut to 300
@@ -3995,6 +3958,143 @@ def stop_mcp(session):
     """Stop every MCP server this session started; a Ctrl+C meanwhile waits until they are."""
     uninterrupted(lambda: [server.stop() for server in session.servers])
 
+
+# ----------------------------------------------------------------------------------------------
+# 23. MCP servers: where they come from, and the question before one starts
+# ----------------------------------------------------------------------------------------------
+# Servers come from .mcp.json at the root (the file Claude Code and Cursor read) and from
+# --mcp FILE: {"mcpServers": {NAME: {"command", "args", "env"} or {"type": "http",
+# "url", "headers"}}}, each with a "timeout" in seconds if the default (AGENT_MCP_TIMEOUT)
+# will not do. Each entry is judged alone, and one of the workspace's own is the repository's
+# word, not the user's: it starts, or is connected to, only once the user has seen it whole.
+
+def mcp_servers(root, files, env, shell_env) -> tuple:
+    """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
+    --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment (for the
+    workspace's, from shell_env, which has no API key); and what is wrong, one {"name",
+    "error"} each. Each entry is judged alone: a bad one is left out, not the file."""
+    servers, problems = {}, []
+    for path, workspace in [(os.path.join(root, ".mcp.json"), True)] + \
+            [(f, False) for f in files]:
+        if workspace and not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8-sig") as f:
+                found = json.load(f)
+            found = found.get("mcpServers") if isinstance(found, dict) else None
+            if not isinstance(found, dict):
+                raise ValueError('it has no "mcpServers" object')
+        except (OSError, ValueError, RecursionError) as e:
+            if not workspace:
+                raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
+            problems.append({"name": path, "error": f"{path} not used: {e}"})
+            continue
+        # subtle: a file in the workspace is the repository's, not the user's: it does not get
+        # to copy the API key into the environment of a program it names, nor into a header
+        known = shell_env if workspace else env
+        for name, entry in found.items():
+            spec, wrong = mcp_entry(name, entry, known)
+            if wrong:
+                problems.append({"name": name[:80], "error": f"{path}: server {name[:80]!r} not "
+                                                             f"used: {wrong}"})
+            else:
+                servers[name] = dict(spec, from_workspace=workspace)
+    return servers, problems
+
+
+MCP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def mcp_entry(name, entry, env) -> tuple:
+    """One entry of an .mcp.json, checked alone: (the server's spec, '') or (None, what is
+    wrong with it). Its type is "stdio" (a command), or "http" (a URL; 26 checks it); with no
+    type, a "url" and no "command" mean http, as in Cursor's files."""
+    if not MCP_NAME.fullmatch(name):   # it is shown in questions: plain letters only
+        return None, "a name may hold only letters, digits, '_', '.' and '-'"
+    if not isinstance(entry, dict):
+        return None, "it is not an object"
+    spec = expand(entry, env)
+    kind = spec.get("type", "http" if "url" in spec and "command" not in spec else "stdio")
+    timeout = spec.get("timeout")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or
+                                isinstance(timeout, bool) or not 0 < timeout <= MCP_CALL_MAX):
+        return None, f'"timeout" must be a number of seconds, above 0 and at most {MCP_CALL_MAX}'
+    if kind == "http":
+        return http_entry(spec, entry)
+    if kind == "sse":
+        return None, ('its type "sse" (the old HTTP+SSE transport) is not supported; a server '
+                      'that also speaks streamable HTTP works as "type": "http" with that URL')
+    if kind != "stdio":
+        return None, f'its type {str(kind)[:40]!r} is not "stdio" or "http"'
+    if not isinstance(spec.get("command"), str) or \
+            not isinstance(spec.get("args", []), list) or \
+            not isinstance(spec.get("env", {}), dict):
+        return None, ('it needs a "command" string (or "type": "http" and a "url"), and "args" '
+                      'a list and "env" an object if given')
+    if not all(shows_as_is(str(s)) for s in [spec["command"], *spec.get("args", []),
+                                             *spec.get("env", {}), *spec.get("env", {}).values()]) \
+            or any("=" in k or not k for k in spec.get("env", {})):
+        return None, ("its command, arguments or variables hold a line break or control "
+                      "character, or a variable's name is empty or holds '='")
+    return {"type": "stdio", "command": spec["command"], "timeout": timeout,
+            "args": [str(a) for a in spec.get("args", [])],
+            "env": {k: str(v) for k, v in spec.get("env", {}).items() if v is not None}}, ""
+
+
+def expand(value, env):
+    """value with ${VAR} and ${VAR:-default} in its strings replaced, however deep."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
+                      lambda m: env.get(m.group(1)) or m.group(2) or "", value)
+    if isinstance(value, list):
+        return [expand(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: expand(v, env) for k, v in value.items()}
+    return value
+
+
+def may_start(session, name, spec) -> bool:
+    """May this server start? --mcp ones may; one from the workspace's .mcp.json, if allowed.
+    The question shows all that decides what runs: the program its PATH finds, where that
+    is, every argument, and every variable the file sets (PATH, LD_PRELOAD, NODE_OPTIONS…);
+    for an HTTP server, where it connects and the headers it sends (section 26)."""
+    if not spec["from_workspace"] or session.cfg.yes:
+        return True
+    if spec["type"] == "http":
+        preview = http_preview(spec, session.cfg.shell_env)
+        shown = spec["written"]
+    else:
+        program, root = spec["program"], session.cfg.root
+        where = "INSIDE THE WORKSPACE" if inside(root, program) or \
+            inside(root, os.path.realpath(program)) else "on this machine"
+        given = {k: v for k, v in spec["env"].items() if session.cfg.shell_env.get(k) != v}
+        preview = "\n".join([f"$ {shlex.join([spec['command'], *spec['args']])}",
+                             f"# runs {program} ({where}), in an empty folder of its own"] +
+                            [f"# with {k}={v}" for k, v in sorted(given.items())])
+        shown = {"program": program, "args": spec["args"], "env": given}
+    allowed, _ = ask_permission(session, f"MCP server {name}", shown, Plan(preview, str))
+    return allowed
+
+
+def find_program(command, env, cwd) -> str:
+    """The program a command names, found as the server's own PATH finds it from cwd, as an
+    absolute path ('' if none): started by that path, what runs is what was shown."""
+    folders = os.pathsep.join(os.path.join(cwd, d) for d in
+                              env.get("PATH", os.defpath).split(os.pathsep))
+    found = shutil.which(os.path.join(cwd, command) if os.path.dirname(command) else command,
+                         path=folders)
+    return os.path.normpath(found) if found else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# 24. The MCP client: one protocol, two transports
+# ----------------------------------------------------------------------------------------------
+# McpServer is the client's half of the protocol told in section 22: the handshake, requests
+# and their answers, progress, cancelling, and what the server asks or says of its own. What
+# carries the messages is its transport: StdioTransport (25) starts the server as a child
+# process and writes one message a line on its stdin, reading its stdout; HttpTransport (26)
+# posts each message to a URL. The waiting, the timeouts and the cancelling are the same for
+# both.
 
 class McpError(Exception):
     """An MCP server failed to start, died, went quiet, or answered with an error; code and
@@ -4306,6 +4406,31 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def describe_content(item) -> str:
+    """One content item of a tool result as text: text itself, anything else in one line."""
+    if not isinstance(item, dict):
+        return str(item)
+    kind = item.get("type")
+    if kind == "text":
+        return str(item.get("text", ""))
+    if kind in ("image", "audio"):
+        data = str(item.get("data", ""))   # base64: 4 characters for every 3 bytes
+        size = len(data) * 3 // 4 - data.count("=")
+        return f"[{kind}: {item.get('mimeType', 'unknown type')}, {human_size(size)}]"
+    if kind == "resource" and isinstance(item.get("resource"), dict):
+        resource = item["resource"]
+        return str(resource.get("text") or f"[resource {resource.get('uri', '')}]")
+    if kind == "resource_link":
+        return f"[resource {item.get('uri', '')}: {item.get('name', '')}]"
+    return f"[{kind} content]"
+
+
+# ----------------------------------------------------------------------------------------------
+# 25. MCP over stdio: a child process
+# ----------------------------------------------------------------------------------------------
+# The server is a program of the user's, started as a child of ours in a process group of
+# its own, in an empty folder: one JSON message a line on its stdin, and on its stdout.
+
 class StdioTransport:
     """A server that is a child process of ours, in its own process group: one JSON message a
     line on its stdin and its stdout."""
@@ -4397,239 +4522,8 @@ class StdioTransport:
             self.process.stdout.close()
 
 
-def describe_content(item) -> str:
-    """One content item of a tool result as text: text itself, anything else in one line."""
-    if not isinstance(item, dict):
-        return str(item)
-    kind = item.get("type")
-    if kind == "text":
-        return str(item.get("text", ""))
-    if kind in ("image", "audio"):
-        data = str(item.get("data", ""))   # base64: 4 characters for every 3 bytes
-        size = len(data) * 3 // 4 - data.count("=")
-        return f"[{kind}: {item.get('mimeType', 'unknown type')}, {human_size(size)}]"
-    if kind == "resource" and isinstance(item.get("resource"), dict):
-        resource = item["resource"]
-        return str(resource.get("text") or f"[resource {resource.get('uri', '')}]")
-    if kind == "resource_link":
-        return f"[resource {item.get('uri', '')}: {item.get('name', '')}]"
-    return f"[{kind} content]"
-
-
-# A server's prompts are the user's, not the model's: each is a slash command in the REPL,
-# /mcp__SERVER__PROMPT, whose messages (prompts/get) become the question. Its resources are
-# read with read_resource(), for whatever attaches them to a question.
-
-def prompt_question(session, line) -> str:
-    """The question an MCP prompt makes of /mcp__SERVER__PROMPT ARGUMENTS: the text of its
-    messages, joined ('' if there is none, or it could not be had: said why)."""
-    command, _, rest = line.partition(" ")
-    found = [(server, prompt) for server in session.servers if server.state == "ready"
-             for prompt in server.prompts if tool_name(server.name, prompt["name"], ()) ==
-             command[1:]]
-    if not found:
-        session.say(f"unknown command {command}; /mcp lists the MCP prompts", YELLOW)
-        return ""
-    server, prompt = found[0]
-    try:
-        arguments = prompt_arguments(prompt, rest)
-        result = server.request("prompts/get", {"name": prompt["name"], "arguments": arguments})
-    except (ValueError, McpError) as e:
-        session.say(f"{command}: {e}", YELLOW)
-        return ""
-    texts, left_out = [], collections.Counter()
-    messages = result.get("messages") if isinstance(result.get("messages"), list) else []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        for item in content if isinstance(content, list) else [content]:
-            item = item if isinstance(item, dict) else {}
-            resource = item.get("resource") if isinstance(item.get("resource"), dict) else {}
-            if item.get("type") == "text" and isinstance(item.get("text"), str):
-                texts.append(item["text"])
-            elif item.get("type") == "resource" and isinstance(resource.get("text"), str):
-                texts.append(resource["text"])   # a text resource: text all the same
-            else:
-                left_out[str(item.get("type") or "unknown")[:20]] += 1
-    if left_out:
-        session.say(f"(left out of the prompt, which sends only text: "
-                    f"{', '.join(f'{n} {kind}' for kind, n in sorted(left_out.items()))})", DIM)
-    question = "\n\n".join(text for text in texts if text.strip())
-    if not question:
-        session.say(f"{command}: the prompt has no text to ask", YELLOW)
-    elif len(question) > STDIN_CAP:
-        session.say(f"(the prompt cut to its first {STDIN_CAP:,} characters)", DIM)
-    return question[:STDIN_CAP]
-
-
-def prompt_arguments(prompt, rest) -> dict:
-    """A prompt's arguments from the words after its command, quoted as in a shell: NAME=VALUE
-    for any of them; plain words for the others in the order the prompt lists them, the last
-    taking the rest of the line. A ValueError says what is missing or too much."""
-    declared = [a for a in prompt.get("arguments") or [] if isinstance(a, dict) and
-                isinstance(a.get("name"), str)]
-    names = [a["name"] for a in declared]
-    values, words = {}, []
-    for word in shlex.split(rest):   # a quote left open: a ValueError
-        name, equals, value = word.partition("=")
-        if equals and name in names:
-            values[name] = value
-        else:
-            words.append(word)
-    free = [name for name in names if name not in values]
-    if words and not free:
-        raise ValueError(f"it takes no more arguments than {', '.join(names) or 'none'}")
-    values.update(zip(free, words))
-    if len(words) > len(free):   # the last argument takes the rest of the line
-        values[free[-1]] = " ".join(words[len(free) - 1:])
-    missing = [a for a in declared if a.get("required") and a["name"] not in values]
-    if missing:
-        raise ValueError("it needs " + "; ".join(
-            f"{a['name']}" + (f" ({one_line(str(a['description']), 80)})"
-                              if a.get("description") else "") for a in missing))
-    return values
-
-
-def read_resource(session, server_name, uri) -> str:
-    """The text of one resource of a running MCP server (resources/read), cut to RESULT_CAP
-    characters as a read_file result is; binary contents are described in a line. Raises an
-    McpError, whose message is one line, if there is no such server, it has no resources or
-    the read fails. For whatever attaches a resource to a question (an @server:uri, say)."""
-    server = next((s for s in session.servers if s.name == server_name), None)
-    if server is None or server.state != "ready":
-        raise McpError(f"no MCP server {server_name!r} is running (/mcp lists them)")
-    if "resources" not in server.capabilities:
-        raise McpError(f"MCP server {server_name} has no resources")
-    result = server.request("resources/read", {"uri": uri})
-    parts = []
-    for item in result.get("contents") if isinstance(result.get("contents"), list) else []:
-        if isinstance(item, dict) and isinstance(item.get("text"), str):
-            parts.append(item["text"])
-        elif isinstance(item, dict) and isinstance(item.get("blob"), str):
-            size = len(item["blob"]) * 3 // 4 - item["blob"].count("=")   # base64
-            parts.append(f"[{item.get('mimeType') or 'binary'} content, {human_size(size)}, "
-                         f"not shown]")
-    if not parts:
-        raise McpError(f"MCP server {server_name} sent no contents for {one_line(uri, 200)}")
-    return cap("\n".join(parts))
-
-
-def show_mcp(session):
-    """/mcp: each server, its state, its tools, its prompts (as the slash commands they are)
-    and its resources; the servers that failed, and why."""
-    for server in session.servers:
-        where = server.spec.get("command") or origin(server.spec["url"])
-        session.say(f"{server.name}: {server.state} {server.version} ({where})", BOLD)
-        offered = [t["name"] for t in server.tools if not needs_task(t)]
-        tasks = len(server.tools) - len(offered)
-        session.say("  tools: " + (", ".join(offered) or "none") +
-                    (f" ({tasks} more that run only as tasks: not offered)" if tasks else ""))
-        for prompt in server.prompts[:30]:
-            arguments = " ".join(a["name"] if a.get("required") else f"[{a['name']}]"
-                                 for a in prompt.get("arguments") or []
-                                 if isinstance(a, dict) and isinstance(a.get("name"), str))
-            command = f"/{tool_name(server.name, prompt['name'], ())} {arguments}".rstrip()
-            session.say(one_line(f"  {command}  {prompt.get('description') or ''}", 160))
-        for resource in server.resources[:30]:
-            session.say(one_line(f"  resource {resource['uri']}  {resource.get('name') or ''}",
-                                 160))
-        for kind in ("prompts", "resources"):
-            if len(getattr(server, kind)) > 30:
-                session.say(f"  … {len(getattr(server, kind)) - 30} more {kind}", DIM)
-    running = {server.name for server in session.servers}
-    for failed in session.mcp_failed:
-        if failed["name"] not in running:
-            session.say(f"{failed['name']}: {failed['error']}", YELLOW)
-    if not session.servers and not session.mcp_failed:
-        session.say("no MCP servers (.mcp.json at the root, or --mcp FILE, adds them)", DIM)
-
-
-def mcp_servers(root, files, env, shell_env) -> tuple:
-    """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
-    --mcp FILE, with ${VAR} and ${VAR:-default} filled in from the environment (for the
-    workspace's, from shell_env, which has no API key); and what is wrong, one {"name",
-    "error"} each. Each entry is judged alone: a bad one is left out, not the file."""
-    servers, problems = {}, []
-    for path, workspace in [(os.path.join(root, ".mcp.json"), True)] + \
-            [(f, False) for f in files]:
-        if workspace and not os.path.isfile(path):
-            continue
-        try:
-            with open(path, encoding="utf-8-sig") as f:
-                found = json.load(f)
-            found = found.get("mcpServers") if isinstance(found, dict) else None
-            if not isinstance(found, dict):
-                raise ValueError('it has no "mcpServers" object')
-        except (OSError, ValueError, RecursionError) as e:
-            if not workspace:
-                raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
-            problems.append({"name": path, "error": f"{path} not used: {e}"})
-            continue
-        # subtle: a file in the workspace is the repository's, not the user's: it does not get
-        # to copy the API key into the environment of a program it names, nor into a header
-        known = shell_env if workspace else env
-        for name, entry in found.items():
-            spec, wrong = mcp_entry(name, entry, known)
-            if wrong:
-                problems.append({"name": name[:80], "error": f"{path}: server {name[:80]!r} not "
-                                                             f"used: {wrong}"})
-            else:
-                servers[name] = dict(spec, from_workspace=workspace)
-    return servers, problems
-
-
-MCP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def mcp_entry(name, entry, env) -> tuple:
-    """One entry of an .mcp.json, checked alone: (the server's spec, '') or (None, what is
-    wrong with it). Its type is "stdio" (a command), or "http" (a URL; 22b checks it); with no
-    type, a "url" and no "command" mean http, as in Cursor's files."""
-    if not MCP_NAME.fullmatch(name):   # it is shown in questions: plain letters only
-        return None, "a name may hold only letters, digits, '_', '.' and '-'"
-    if not isinstance(entry, dict):
-        return None, "it is not an object"
-    spec = expand(entry, env)
-    kind = spec.get("type", "http" if "url" in spec and "command" not in spec else "stdio")
-    timeout = spec.get("timeout")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or
-                                isinstance(timeout, bool) or not 0 < timeout <= MCP_CALL_MAX):
-        return None, f'"timeout" must be a number of seconds, above 0 and at most {MCP_CALL_MAX}'
-    if kind == "http":
-        return http_entry(spec, entry)
-    if kind == "sse":
-        return None, ('its type "sse" (the old HTTP+SSE transport) is not supported; a server '
-                      'that also speaks streamable HTTP works as "type": "http" with that URL')
-    if kind != "stdio":
-        return None, f'its type {str(kind)[:40]!r} is not "stdio" or "http"'
-    if not isinstance(spec.get("command"), str) or \
-            not isinstance(spec.get("args", []), list) or \
-            not isinstance(spec.get("env", {}), dict):
-        return None, ('it needs a "command" string (or "type": "http" and a "url"), and "args" '
-                      'a list and "env" an object if given')
-    if not all(shows_as_is(str(s)) for s in [spec["command"], *spec.get("args", []),
-                                             *spec.get("env", {}), *spec.get("env", {}).values()]) \
-            or any("=" in k or not k for k in spec.get("env", {})):
-        return None, ("its command, arguments or variables hold a line break or control "
-                      "character, or a variable's name is empty or holds '='")
-    return {"type": "stdio", "command": spec["command"], "timeout": timeout,
-            "args": [str(a) for a in spec.get("args", [])],
-            "env": {k: str(v) for k, v in spec.get("env", {}).items() if v is not None}}, ""
-
-
-def expand(value, env):
-    """value with ${VAR} and ${VAR:-default} in its strings replaced, however deep."""
-    if isinstance(value, str):
-        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
-                      lambda m: env.get(m.group(1)) or m.group(2) or "", value)
-    if isinstance(value, list):
-        return [expand(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: expand(v, env) for k, v in value.items()}
-    return value
-
-
 # ----------------------------------------------------------------------------------------------
-# 22b. MCP over HTTP: remote servers
+# 26. MCP over HTTP: remote servers
 # ----------------------------------------------------------------------------------------------
 # A hosted MCP server is a URL, spoken to in what the protocol calls streamable HTTP. Each
 # message the client sends is one POST to it. A notification, or our answer to a request of
@@ -4650,7 +4544,7 @@ def expand(value, env):
 
 def http_entry(spec, written) -> tuple:
     """An "http" entry of an .mcp.json, checked: (spec, '') or (None, what is wrong). written:
-    the entry as the file has it, before ${VAR} was filled in, for the question (22b)."""
+    the entry as the file has it, before ${VAR} was filled in, for the question (26)."""
     url, headers = spec.get("url"), spec.get("headers", {})
     if not isinstance(url, str) or not re.match(r"https?://[^/?#\s]+", url) or \
             not shows_as_is(url):
@@ -4984,7 +4878,137 @@ def http_failure(server, method, response) -> McpError:
 
 
 # ----------------------------------------------------------------------------------------------
-# 23. Sub-agents: a fresh loop for one task
+# 27. MCP prompts and resources
+# ----------------------------------------------------------------------------------------------
+# A server's prompts are the user's, not the model's: each is a slash command in the REPL,
+# /mcp__SERVER__PROMPT, whose messages (prompts/get) become the question. Its resources are
+# read with read_resource(), for whatever attaches them to a question.
+
+def prompt_question(session, line) -> str:
+    """The question an MCP prompt makes of /mcp__SERVER__PROMPT ARGUMENTS: the text of its
+    messages, joined ('' if there is none, or it could not be had: said why)."""
+    command, _, rest = line.partition(" ")
+    found = [(server, prompt) for server in session.servers if server.state == "ready"
+             for prompt in server.prompts if tool_name(server.name, prompt["name"], ()) ==
+             command[1:]]
+    if not found:
+        session.say(f"unknown command {command}; /mcp lists the MCP prompts", YELLOW)
+        return ""
+    server, prompt = found[0]
+    try:
+        arguments = prompt_arguments(prompt, rest)
+        result = server.request("prompts/get", {"name": prompt["name"], "arguments": arguments})
+    except (ValueError, McpError) as e:
+        session.say(f"{command}: {e}", YELLOW)
+        return ""
+    texts, left_out = [], collections.Counter()
+    messages = result.get("messages") if isinstance(result.get("messages"), list) else []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for item in content if isinstance(content, list) else [content]:
+            item = item if isinstance(item, dict) else {}
+            resource = item.get("resource") if isinstance(item.get("resource"), dict) else {}
+            if item.get("type") == "text" and isinstance(item.get("text"), str):
+                texts.append(item["text"])
+            elif item.get("type") == "resource" and isinstance(resource.get("text"), str):
+                texts.append(resource["text"])   # a text resource: text all the same
+            else:
+                left_out[str(item.get("type") or "unknown")[:20]] += 1
+    if left_out:
+        session.say(f"(left out of the prompt, which sends only text: "
+                    f"{', '.join(f'{n} {kind}' for kind, n in sorted(left_out.items()))})", DIM)
+    question = "\n\n".join(text for text in texts if text.strip())
+    if not question:
+        session.say(f"{command}: the prompt has no text to ask", YELLOW)
+    elif len(question) > STDIN_CAP:
+        session.say(f"(the prompt cut to its first {STDIN_CAP:,} characters)", DIM)
+    return question[:STDIN_CAP]
+
+
+def prompt_arguments(prompt, rest) -> dict:
+    """A prompt's arguments from the words after its command, quoted as in a shell: NAME=VALUE
+    for any of them; plain words for the others in the order the prompt lists them, the last
+    taking the rest of the line. A ValueError says what is missing or too much."""
+    declared = [a for a in prompt.get("arguments") or [] if isinstance(a, dict) and
+                isinstance(a.get("name"), str)]
+    names = [a["name"] for a in declared]
+    values, words = {}, []
+    for word in shlex.split(rest):   # a quote left open: a ValueError
+        name, equals, value = word.partition("=")
+        if equals and name in names:
+            values[name] = value
+        else:
+            words.append(word)
+    free = [name for name in names if name not in values]
+    if words and not free:
+        raise ValueError(f"it takes no more arguments than {', '.join(names) or 'none'}")
+    values.update(zip(free, words))
+    if len(words) > len(free):   # the last argument takes the rest of the line
+        values[free[-1]] = " ".join(words[len(free) - 1:])
+    missing = [a for a in declared if a.get("required") and a["name"] not in values]
+    if missing:
+        raise ValueError("it needs " + "; ".join(
+            f"{a['name']}" + (f" ({one_line(str(a['description']), 80)})"
+                              if a.get("description") else "") for a in missing))
+    return values
+
+
+def read_resource(session, server_name, uri) -> str:
+    """The text of one resource of a running MCP server (resources/read), cut to RESULT_CAP
+    characters as a read_file result is; binary contents are described in a line. Raises an
+    McpError, whose message is one line, if there is no such server, it has no resources or
+    the read fails. For whatever attaches a resource to a question (an @server:uri, say)."""
+    server = next((s for s in session.servers if s.name == server_name), None)
+    if server is None or server.state != "ready":
+        raise McpError(f"no MCP server {server_name!r} is running (/mcp lists them)")
+    if "resources" not in server.capabilities:
+        raise McpError(f"MCP server {server_name} has no resources")
+    result = server.request("resources/read", {"uri": uri})
+    parts = []
+    for item in result.get("contents") if isinstance(result.get("contents"), list) else []:
+        if isinstance(item, dict) and isinstance(item.get("text"), str):
+            parts.append(item["text"])
+        elif isinstance(item, dict) and isinstance(item.get("blob"), str):
+            size = len(item["blob"]) * 3 // 4 - item["blob"].count("=")   # base64
+            parts.append(f"[{item.get('mimeType') or 'binary'} content, {human_size(size)}, "
+                         f"not shown]")
+    if not parts:
+        raise McpError(f"MCP server {server_name} sent no contents for {one_line(uri, 200)}")
+    return cap("\n".join(parts))
+
+
+def show_mcp(session):
+    """/mcp: each server, its state, its tools, its prompts (as the slash commands they are)
+    and its resources; the servers that failed, and why."""
+    for server in session.servers:
+        where = server.spec.get("command") or origin(server.spec["url"])
+        session.say(f"{server.name}: {server.state} {server.version} ({where})", BOLD)
+        offered = [t["name"] for t in server.tools if not needs_task(t)]
+        tasks = len(server.tools) - len(offered)
+        session.say("  tools: " + (", ".join(offered) or "none") +
+                    (f" ({tasks} more that run only as tasks: not offered)" if tasks else ""))
+        for prompt in server.prompts[:30]:
+            arguments = " ".join(a["name"] if a.get("required") else f"[{a['name']}]"
+                                 for a in prompt.get("arguments") or []
+                                 if isinstance(a, dict) and isinstance(a.get("name"), str))
+            command = f"/{tool_name(server.name, prompt['name'], ())} {arguments}".rstrip()
+            session.say(one_line(f"  {command}  {prompt.get('description') or ''}", 160))
+        for resource in server.resources[:30]:
+            session.say(one_line(f"  resource {resource['uri']}  {resource.get('name') or ''}",
+                                 160))
+        for kind in ("prompts", "resources"):
+            if len(getattr(server, kind)) > 30:
+                session.say(f"  … {len(getattr(server, kind)) - 30} more {kind}", DIM)
+    running = {server.name for server in session.servers}
+    for failed in session.mcp_failed:
+        if failed["name"] not in running:
+            session.say(f"{failed['name']}: {failed['error']}", YELLOW)
+    if not session.servers and not session.mcp_failed:
+        session.say("no MCP servers (.mcp.json at the root, or --mcp FILE, adds them)", DIM)
+
+
+# ----------------------------------------------------------------------------------------------
+# 28. Sub-agents: a fresh loop for one task
 # ----------------------------------------------------------------------------------------------
 # A long search fills the conversation with tool results the main task will never need again.
 # The task tool hands such a piece of work to a helper: the same loop, a transcript of its own,
@@ -5033,7 +5057,7 @@ def run_task(session, description, prompt) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 24. Sessions that survive
+# 29. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 # Every conversation is saved as it goes, one JSON line per message, in a file per session
 # under the user's state directory, grouped by workspace. A crash loses at most the message
@@ -5184,7 +5208,7 @@ def repair(messages, system) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# 25. Fewer questions: modes and rules
+# 30. Fewer questions: modes and rules
 # ----------------------------------------------------------------------------------------------
 # A question for every command wears the user down until they answer yes without reading.
 # Three things let a change go ahead unasked, each still shown as it happens: --auto, under
@@ -5390,7 +5414,7 @@ def rules_file(cfg) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 26. Checkpoints: every turn undoable
+# 31. Checkpoints: every turn undoable
 # ----------------------------------------------------------------------------------------------
 # Before the first change of each turn (an edit, a write, a command that does more than read),
 # the workspace is snapshotted into a git repository of the agent's own in the user's state
@@ -5668,7 +5692,7 @@ def show_checkpoints(session, git) -> list:
 # code.
 
 # ----------------------------------------------------------------------------------------------
-# 27. Configuration: flags, then the environment, then the defaults
+# 32. Configuration: flags, then the environment, then the defaults
 # ----------------------------------------------------------------------------------------------
 # Environment (a flag wins over its variable; the README has the same table):
 #     LLM_URL         OpenAI-compatible base URL         default http://127.0.0.1:8080/v1
@@ -5689,7 +5713,7 @@ def show_checkpoints(session, git) -> list:
 #     MAX_TURNS       tool rounds per question           default 20
 #     NO_COLOR        set to anything: no colour
 #     XDG_STATE_HOME  where sessions and logs are kept   default ~/.local/state
-#     XDG_CONFIG_HOME where your own slash commands are  default ~/.config (section 29b)
+#     XDG_CONFIG_HOME where your own slash commands are  default ~/.config (section 35)
 # (OPENAI_BASE_URL, OPENAI_MODEL and OPENAI_API_KEY are read when the LLM_ ones are unset.)
 # load_config() is the one place that reads them: no other code looks at os.environ.
 
@@ -5730,7 +5754,7 @@ class Config:
     checkpoints: bool = True  # snapshot the workspace before each turn's first change
     undo: bool = False      # undo the last turn of the latest session, and exit (--undo)
     home: str = ""          # the user's home folder, whose secrets the sandbox hides
-    commands: str = ""      # the folder of the user's own slash commands (section 29b)
+    commands: str = ""      # the folder of the user's own slash commands (section 35)
 
 
 def load_config(argv=None, environ=None) -> Config:
@@ -5910,7 +5934,7 @@ def env_flag(value) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# 28. The screen: a reply as it streams in
+# 33. The screen: a reply as it streams in
 # ----------------------------------------------------------------------------------------------
 # While the model works, the user sees a clock; then its words on stdout and its reasoning,
 # dimmed, on stderr, as they arrive. A <think> block at the start of the text (left there by
@@ -6048,7 +6072,7 @@ class Screen:
 
 
 # ----------------------------------------------------------------------------------------------
-# 29. The terminal: one question, or a session
+# 34. The terminal: one question, or a session
 # ----------------------------------------------------------------------------------------------
 # One-shot: the answer on stdout, everything else on stderr, an exit code that means something.
 # A session: a prompt with line editing, the same transcript across questions, Ctrl+C that
@@ -6112,7 +6136,7 @@ def repl(session) -> int:
             readline.read_history_file(history)
         except OSError:
             pass   # the first session has no history yet
-        readline.set_completer(completer(session))   # Tab: @paths and /commands (29b)
+        readline.set_completer(completer(session))   # Tab: @paths and /commands (35)
         readline.set_completer_delims(" \t\n")       # a word is all that lies between blanks
         # subtle: macOS's Python comes with libedit, which binds keys in its own words
         libedit = "libedit" in (readline.__doc__ or "")
@@ -6192,10 +6216,10 @@ Ctrl+C stops the current request, tool or command; the conversation is kept."""
 
 
 def slash_command(session, line) -> Optional[str]:
-    """Carry out one of the REPL's slash commands; for a custom one (section 29b), return the
+    """Carry out one of the REPL's slash commands; for a custom one (section 35), return the
     text to send as the user's message."""
     command, _, rest = line.partition(" ")
-    if command.startswith("/mcp__"):   # an MCP prompt (section 22): its text is the message
+    if command.startswith("/mcp__"):   # an MCP prompt (section 27): its text is the message
         return prompt_question(session, line) or None
     if command == "/undo" and not rest:
         undo_in_session(session, None)
@@ -6262,7 +6286,7 @@ def slash_command(session, line) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# 29b. Slash commands and @mentions
+# 35. Slash commands and @mentions
 # ----------------------------------------------------------------------------------------------
 # Three habits users bring from Claude Code, Gemini CLI, opencode and Codex. None of them adds
 # to the loop: each only shapes the user's message before run_turn() gets it, or the request.
@@ -6559,7 +6583,7 @@ def server_models(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# 30. The demo: a scripted model
+# 36. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -6631,7 +6655,7 @@ def demo_model(root):
 
 
 # ----------------------------------------------------------------------------------------------
-# 31. main()
+# 37. main()
 # ----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:

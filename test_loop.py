@@ -3167,7 +3167,7 @@ class TextCallTest(unittest.TestCase):
 # MCP servers, sub-agents and saved sessions: the loop is the same with each.
 
 # ----------------------------------------------------------------------------------------------
-# 22. MCP
+# 22-25, 27. MCP: tools, servers, the client, stdio, prompts and resources
 # ----------------------------------------------------------------------------------------------
 
 # A small MCP server, standard library only, for the tests: it speaks JSON-RPC on stdin and
@@ -3629,7 +3629,7 @@ class McpTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 22b. MCP over HTTP
+# 26. MCP over HTTP
 # ----------------------------------------------------------------------------------------------
 # An MCP server over streamable HTTP, standard library only: it names a session in its answer
 # to initialize and answers 404 to any other session (server.session = None expires it); it
@@ -3965,7 +3965,7 @@ class McpHttpTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 23. Sub-agents
+# 28. Sub-agents
 # ----------------------------------------------------------------------------------------------
 
 class SubAgentTest(unittest.TestCase):
@@ -3997,7 +3997,7 @@ class SubAgentTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 24. Sessions that survive
+# 29. Sessions that survive
 # ----------------------------------------------------------------------------------------------
 
 class SessionFileTest(unittest.TestCase):
@@ -4124,7 +4124,7 @@ class StateTrustTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 25. Fewer questions: modes and rules
+# 30. Fewer questions: modes and rules
 # ----------------------------------------------------------------------------------------------
 
 class ModesAndRulesTest(unittest.TestCase):
@@ -4284,7 +4284,7 @@ class ModesAndRulesTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 26. Checkpoints: every turn undoable
+# 31. Checkpoints: every turn undoable
 # ----------------------------------------------------------------------------------------------
 
 def fingerprint(folder):
@@ -4538,7 +4538,7 @@ class CheckpointTest(unittest.TestCase):
 # Settings, the command line, the terminal.
 
 # ----------------------------------------------------------------------------------------------
-# 27. Configuration
+# 32. Configuration
 # ----------------------------------------------------------------------------------------------
 
 class ConfigurationTest(unittest.TestCase):
@@ -4572,7 +4572,7 @@ class ConfigurationTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 29-31. The terminal, the demo, main()
+# 34, 36, 37. The terminal, the demo, main()
 # ----------------------------------------------------------------------------------------------
 
 class SourceTest(unittest.TestCase):
@@ -4829,7 +4829,7 @@ class ReplTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 29b. Slash commands and @mentions
+# 35. Slash commands and @mentions
 # ----------------------------------------------------------------------------------------------
 
 def habits_root(commands=(), files=()):
