@@ -6434,9 +6434,9 @@ def first_clause(error) -> str:
 
 
 # An @ is a mention when it opens a word (at the start, or after a blank), and what follows
-# it, up to the next blank, is a path as people type one: letters, digits and . / ~ + - _,
-# less the punctuation that ends a sentence. It must contain a '/' or name something that
-# exists in the workspace. So an e-mail address (the @ inside a word), a decorator with its
+# it, up to the next blank, is SERVER:URI, a resource of a running MCP server, or a path as
+# people type one: letters, digits and . / ~ + - _, less the punctuation that ends a
+# sentence. A path must contain a '/' or name something that exists in the workspace. So an e-mail address (the @ inside a word), a decorator with its
 # arguments (@app.route("/")) or a word (@property, @alice) is left alone as text; a path
 # that cannot be attached (outside the workspace, missing, binary) is refused, and nothing is
 # sent. Only what the user types counts: not piped stdin, nor a file's contents.
@@ -6470,7 +6470,12 @@ def attachment(session, word):
     """One @mention: (its path, 'file' or 'folder', the text that shows it); None if word is
     no mention. Raises ToolError for what cannot be attached, as the tools do."""
     cfg = session.cfg
-    # (this is the place for @server:uri, an MCP resource: a branch here, before the paths)
+    server, uri = mcp_resource_named(session, word)
+    if server:   # @server:uri, a resource of a running MCP server (section 27)
+        try:
+            return f"{server}:{uri}", "resource", read_resource(session, server, uri)
+        except McpError as e:
+            raise ToolError("mcp_error", str(e)) from None
     # the word as typed if it names something, else without the end of a sentence after it
     paths = [p for p in dict.fromkeys((word, word.rstrip(SENTENCE_END))) if PATH_LIKE.fullmatch(p)]
     path = next((p for p in paths if os.path.lexists(os.path.join(cfg.root, p))), None) or \
@@ -6482,6 +6487,20 @@ def attachment(session, word):
     if os.path.isdir(full):
         return relative(cfg.root, full), "folder", list_dir(cfg, path)
     return relative(cfg.root, full), "file", read_file(cfg, path)   # numbered, capped
+
+
+def mcp_resource_named(session, word) -> tuple:
+    """(server, uri) if word is SERVER:URI and SERVER the name of a running MCP server, else
+    ('', ''): a path with a colon in it stays a path."""
+    name, colon, uri = word.partition(":")
+    running = {s.name for s in session.servers if s.state == "ready"}
+    return (name, uri.rstrip(SENTENCE_END) if uri not in uri_list(session, name) else uri) \
+        if colon and uri and name in running else ("", "")
+
+
+def uri_list(session, name) -> list:
+    """The resources an MCP server listed, by uri."""
+    return [r["uri"] for s in session.servers if s.name == name for r in s.resources]
 
 
 def completer(session):
@@ -6501,10 +6520,15 @@ def completions(session, text, first) -> list:
     """What the word text may be completed to: @paths inside the workspace (folders with a
     '/'), or, as the first word of a line, slash commands."""
     if first and text.startswith("/"):
-        names = list(BUILT_IN) + ["/" + name for name in find_commands(session.cfg)[0]]
+        names = list(BUILT_IN) + ["/" + name for name in find_commands(session.cfg)[0]] + \
+            ["/" + tool_name(s.name, p["name"], ()) for s in session.servers for p in s.prompts]
         return sorted(name for name in names if name.startswith(text))
     if not text.startswith("@"):
         return []
+    server, colon, _ = text[1:].partition(":")
+    if colon and any(s.name == server for s in session.servers):   # @server:uri, a resource
+        return sorted(f"@{server}:{uri}" for uri in uri_list(session, server)
+                      if f"@{server}:{uri}".startswith(text))[:PATH_CAP]
     # the names in the folder typed so far that begin with the rest, as ls would show them:
     # dot files only when a dot is typed, the folder itself only if it lies in the workspace
     folder = text[1:text.rfind("/") + 1] if "/" in text else ""   # 'src/' of '@src/ap'

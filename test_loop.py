@@ -3601,6 +3601,30 @@ class McpTest(unittest.TestCase):
         with self.assertRaisesRegex(agent.McpError, "^MCP server test has no resources$"):
             agent.read_resource(session, "test", "test://notes")
 
+    def test_a_resource_is_attached_with_server_and_uri(self):
+        """@SERVER:URI in a question attaches that resource of a running server, marked as the
+        user's; a word whose part before ':' names no server is a path as ever; a resource the
+        server cannot read is refused in one line, and nothing is sent; Tab completes URIs."""
+        with CannedServer([reply("read it")]) as server:
+            code, out, err = cli(["--mcp", mcp_config(), "sum up @test:test://notes."],
+                                 url=server.url)
+            question = server.bodies()[0]["messages"][-1]["content"]
+        self.assertEqual((code, out), (0, "read it\n"), err)
+        self.assertTrue(question.startswith("sum up @test:test://notes.\n\nThe user attached"))
+        self.assertIn('<attachment path="test:test://notes" type="resource">\nnotes notes',
+                      question)
+        session, _ = self.start()
+        self.assertEqual(agent.mcp_resource_named(session, "nope:x"), ("", ""))
+        self.assertEqual(agent.mcp_resource_named(session, "test:test://notes,"),
+                         ("test", "test://notes"))
+        self.assertEqual(agent.completions(session, "@test:test://n", False),
+                         ["@test:test://notes"])
+        self.assertIn("/mcp__test__review", agent.completions(session, "/mcp__", True))
+        session.servers[0].capabilities.pop("resources")
+        with self.assertRaisesRegex(agent.UsageError, r"^cannot attach @test:test://notes: MCP "
+                                    r"server test has no resources; nothing was sent$"):
+            agent.with_attachments(session, "see @test:test://notes")
+
     def test_prompts_are_slash_commands_and_mcp_lists_everything(self):
         """In the REPL, /mcp lists each server's tools, prompts (as commands) and resources, and
         /mcp__test__review ARGS asks the prompt's text as the question: words fill its
