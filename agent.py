@@ -68,53 +68,63 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import dataclasses
-import difflib
 import fnmatch
 import functools
-import hashlib
-import heapq
-import http.client
-import ipaddress
+import http
+import importlib.util
 import itertools
 import json
 import math
 import os
 import platform
-import random
 import re
 import select
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import unicodedata
-import urllib.error
+import urllib
 import urllib.parse
-import urllib.request
 import warnings
 from typing import Callable, Optional
 
 try:
-    import readline  # noqa: F401  (imported for its side effect: line editing in input())
-except ImportError:  # Windows, or a Python built without it
-    readline = None
-try:
     import termios   # to throw away what was typed before a question
 except ImportError:  # Windows
     termios = None
-try:
-    import tomllib   # novm (3.11+): to check a .toml file after an edit
-except ImportError:  # Python before 3.11
-    tomllib = None
+readline = None      # line editing and history in input(): imported by repl(), on a terminal
+
+
+def lazily(name):
+    """The module name, imported only the first time one of its names is used (by the
+    standard library's own LazyLoader); None if this Python has no such module."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# What only some paths need is imported when first used: the network's modules (http.client
+# brings email and ssl: a third of the start-up) once a request is made, ctypes when the key
+# is hidden or commands start, and so on, so that --version, --tool and --help pay for none.
+# (A module imported by another, as http.client imports ssl, comes with it: TLS loads with
+# the first request, https or not.)
+http.client = lazily("http.client")
+urllib.request, urllib.error = lazily("urllib.request"), lazily("urllib.error")
+ctypes, difflib, hashlib = lazily("ctypes"), lazily("difflib"), lazily("hashlib")
+heapq, ipaddress, random = lazily("heapq"), lazily("ipaddress"), lazily("random")
+socket, tempfile = lazily("socket"), lazily("tempfile")
+tomllib = lazily("tomllib")   # novm: Python 3.11 and later, to check a .toml file after an edit
 
 VERSION = "0.1.0"
 
@@ -3130,31 +3140,38 @@ def opener(url):
     except ValueError:
         local = False
     return urllib.request.build_opener(urllib.request.ProxyHandler({}) if local else
-                                       urllib.request.ProxyHandler(), NoRedirect)
+                                       urllib.request.ProxyHandler(), no_redirect())
 
 
-class NoRedirect(urllib.request.HTTPRedirectHandler):
+def no_redirect():
     """urllib's redirects, turned off: server_error() says where the server pointed instead."""
     # subtle: urllib follows a redirect to any host with every header, Authorization too, and
     # turns a POST answered 301, 302 or 303 into a GET without its body, which no chat server
     # answers anyway. Not following at all is the one rule with no origin to get wrong.
+    class NoRedirect(urllib.request.HTTPRedirectHandler):   # here: urllib is loaded lazily
+        """A redirect comes back as it is, as an HTTPError that connect() returns."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        """None: the 3xx comes back as it is, as an HTTPError that connect() returns."""
-        return None
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            """None: the 3xx is not followed."""
+            return None
+    return NoRedirect()
 
 
 def fetch(cfg, method, path, body=None, timeout=None):
-    """One whole HTTP exchange: (status, headers, raw body). Raises if there is no answer."""
-    status, headers, response = connect(cfg, method, path, body, timeout)
-    with response:   # cut at REPLY_CAP: what is longer is no answer its caller can use
-        return status, headers, response.read(REPLY_CAP + 1)
+    """One whole HTTP exchange: (status, headers, raw body). Raises an OSError (URLError is
+    one) if there is no answer, or no answer HTTP can read."""
+    try:
+        status, headers, response = connect(cfg, method, path, body, timeout)
+        with response:   # cut at REPLY_CAP: what is longer is no answer its caller can use
+            return status, headers, response.read(REPLY_CAP + 1)
+    except http.client.HTTPException as e:   # a status line that is no HTTP, say
+        raise ConnectionError(f"{type(e).__name__}: {e}") from None
 
 
 # What a question to the server on the side (its models, its context size) may run into. The
 # answer is only a hint, so any of these just means no answer.
-PROBE_ERRORS = (urllib.error.URLError, OSError, http.client.HTTPException, ValueError,
-                AttributeError, KeyError, TypeError, IndexError, RecursionError)
+PROBE_ERRORS = (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError,
+                RecursionError)
 
 
 def pick_model(session) -> str:
@@ -6130,6 +6147,11 @@ def read_stdin(wait) -> str:
 
 def repl(session) -> int:
     """An interactive session: questions at a prompt, one growing transcript."""
+    global readline
+    try:   # for its side effect: input() edits the line, and keeps a history
+        import readline
+    except ImportError:   # Windows, or a Python built without it
+        readline = None
     history = session.cfg.history
     if readline:
         try:
