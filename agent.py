@@ -215,8 +215,8 @@ matter. Cite path:line; do not guess at code you have not seen.
 CHANGING = """\
 - Read a file before you edit it. After a change, run the tests or the program and read what \
 they print before you claim success.
-- The user sees each change and command first and may refuse it, with a reason: then adjust; \
-do not repeat a refused call.{shell}
+- The user may refuse a change or a command, with a reason: then adjust; do not repeat a \
+refused call.{shell}
 """
 READ_ONLY = "- This session is read-only: you can look, but not change files or run commands.\n"
 
@@ -526,7 +526,7 @@ TOOLS = [
         f"List a folder, or every file whose path matches a glob ('**' spans folders; "
         f"without '/' it matches names at any depth), skipping .git and git-ignored files. "
         f"{PATH_CAP} entries at most.",
-        path=string("a folder (default '.') or a glob such as '*.py' or 'src/**/test_*.py'")),
+        path=string("a folder (default '.') or a glob, e.g. 'src/**/test_*.py'")),
     tool_schema(
         "read_file",
         f"Read a text file as numbered lines: 200 from offset, or limit (at most about "
@@ -551,8 +551,8 @@ TOOLS = [
         name=string()),
     tool_schema(
         "write_file",
-        "Create a text file or replace a whole one (folders are made as needed). For part of a "
-        "file, use edit_file.",
+        "Create a text file or replace a whole one, making its folders. For part of a file, use "
+        "edit_file.",
         required=["path", "content"],
         path=string(),
         content=string()),
