@@ -38,7 +38,7 @@ servers and real users. `grep -nE '^# (PART|[0-9])' agent.py` prints the content
     PART II   The tools in full         10-17
     PART III  Surviving real servers    18-21
     PART IV   Extensions                22-31
-    PART V    The program around it     32-37
+    PART V    The program around it     32-38
 
 Run it:
     python3 agent.py --demo                          a scripted model walks the loop, offline
@@ -574,7 +574,8 @@ TOOLS = [
         timeout=integer(f"seconds; default {SHELL_TIMEOUT}")),
 ]
 
-# The tools that change something: each asks the user first (section 8).
+# The tools that change something: each asks the user first (section 8). Which function runs
+# each tool is TOOL_FUNCTIONS, at the end of Part II, once the functions are defined.
 CHANGES = {"write_file", "edit_file", "run_shell"}
 
 
@@ -942,7 +943,8 @@ class Plan:
     command: str = ""                # a command to run: rules and modes apply (section 30)
     sandbox: str = ""                # where it runs: "read" or "write" (the workspace may be
                                      # written) in the OS sandbox, "" outside (section 16)
-    outside: str = ""                # why it must run outside the sandbox: always asked about
+    outside: str = ""                # why it must run outside the sandbox: asked about
+                                     # always, unless --yes
     warnings: list = dataclasses.field(default_factory=list)   # what carrying it out found that
                                      # the user must see too (run_call shows them)
 
@@ -2008,7 +2010,7 @@ def edit_file(cfg, path, old, new):
     after = before[:at] + new + before[at + len(old):]
     encoded(after)
     first = before.count("\n", 0, at) + 1
-    last = first + new.count("\n")
+    last = first + new.count("\n") - new.endswith("\n")   # a last newline starts no line
     lines = f"line {first} now reads" if first == last else f"lines {first}-{last} now read"
     return plan_write(cfg.root, path, full, before, after,
                   f"edited {path}; {lines}:\n" + numbered(after, first - 2, last + 2))
@@ -2078,10 +2080,10 @@ def plan_write(root, path, full, before, after, result) -> Plan:
                             f"for approval, so it was not made; look at it again")
         write_text(full, after)
         broken = broken_by(name, before, after)
-        warnings.extend([broken.strip()] if broken else [])
+        alerts.extend([broken.strip()] if broken else [])
         return result + broken
-    warnings = []
-    return Plan(diff or f"(no change to {name})", carry_out, subject=name, warnings=warnings)
+    alerts = []   # filled by carry_out, shown by run_call
+    return Plan(diff or f"(no change to {name})", carry_out, subject=name, warnings=alerts)
 
 
 # A change that breaks a file's syntax is best mended at once, in the next call, not found at
@@ -2342,7 +2344,7 @@ def tolerances(window, wanted, old_crlf, file_crlf, width, shift) -> str:
     words = []
     if any(f[len(f.rstrip()):] != o[len(o.rstrip()):] for f, o in zip(window, wanted)):
         words.append("trailing whitespace")
-    if old_crlf != file_crlf or not words:   # not words: old with \r, but no \n
+    if old_crlf != file_crlf:
         words.append("line endings")
     if any(f.strip() != o.strip() for f, o in zip(window, wanted)):
         words.append("curly quotes or dashes")
@@ -2354,6 +2356,7 @@ def tolerances(window, wanted, old_crlf, file_crlf, width, shift) -> str:
         depth = "deeper" if sign == "+" else "shallower"
         words.append(f"an indentation {len(prefix)} {unit}{'s' * (len(prefix) > 1)} {depth} "
                      f"in the file")
+    words = words or ["line endings"]   # what is left: old with a \r where the file has none
     how = "ignoring " + (", ".join(words[:-1]) + " and " if len(words) > 1 else "") + words[-1]
     if width or sign:
         how += "; new was re-indented to match"
@@ -2385,29 +2388,31 @@ def run_shell(cfg, command, timeout=SHELL_TIMEOUT, outside_sandbox=None):
     outside = (outside_sandbox or "").strip()
     sandbox = "" if outside or not cfg.bwrap else "read" if reads_only(command) else "write"
     preview = f"$ {command}" + (f"\n# outside the sandbox, because: {outside}" if outside else "")
-    warnings = []
-    return Plan(preview, lambda: run_command(cfg, command, timeout, sandbox, warnings),
-                command=command, sandbox=sandbox, outside=outside, warnings=warnings)
+    alerts = []   # filled by run_command, shown by run_call
+    return Plan(preview, lambda: run_command(cfg, command, timeout, sandbox, alerts),
+                command=command, sandbox=sandbox, outside=outside, warnings=alerts)
 
 
-def run_command(cfg, command, timeout, sandbox="", warnings=None) -> str:
+def run_command(cfg, command, timeout, sandbox="", alerts=None) -> str:
     """Run command in a process group of its own, output to a file, in the sandbox if asked
     ("read" or "write"); when it ends, times out or is interrupted, kill all it started, so
-    nothing (`sleep 100 &`, a daemon) outlives it. What the user must see is added to
-    warnings too."""
+    nothing (`sleep 100 &`, a daemon) outlives it. What the user must see is added to alerts
+    too."""
     adopt_orphans()
     seccomp = filter_pipe() if sandbox else None   # bwrap reads the filter from this pipe
     gits = git_folders(cfg.root) if sandbox == "write" else {}
-    argv, env = ((sandboxed(cfg, command, sandbox, seccomp), sandbox_environment(cfg.shell_env))
+    argv, env = ((sandboxed(cfg, command, sandbox, seccomp, gits),
+                  sandbox_environment(cfg.shell_env))
                  if sandbox else ([cfg.shell, "-c", command], cfg.shell_env or None))
     with tempfile.TemporaryFile() as out:   # subtle: a pipe that nobody reads can fill and hang
         try:
             process = subprocess.Popen(
-                argv, cwd=cfg.root, env=env, pass_fds=[seccomp] if seccomp else [],
+                argv, cwd=cfg.root, env=env, pass_fds=[seccomp] if seccomp is not None else [],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         finally:
-            os.close(seccomp) if seccomp else None
+            if seccomp is not None:
+                os.close(seccomp)
         born = start_time(process.pid)
         deadline, stopped = time.monotonic() + timeout, ""
         try:
@@ -2436,7 +2441,8 @@ def run_command(cfg, command, timeout, sandbox="", warnings=None) -> str:
         output += sandbox_hint(output, sandbox)   # with exit code 0: `curl … | head` is 0
         planted = new_git_folders(gits, git_folders(cfg.root) if sandbox == "write" else {})
         output += planted
-        (warnings if warnings is not None else []).extend([planted.strip()] if planted else [])
+        if planted and alerts is not None:
+            alerts.append(planted.strip())
     return f"{status}\n{output}" if output.strip() else f"{status} (no output)"
 
 
@@ -2592,17 +2598,19 @@ SECRET_VALUE = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
 GIT_DEPTH, GIT_FOLDERS = 4, 5_000
 
 
-def sandboxed(cfg, command, level, seccomp=None) -> list:
+def sandboxed(cfg, command, level, seccomp=None, gits=None) -> list:
     """The command line that runs command in bubblewrap: the workspace writable if level is
-    "write" (its repositories' .git not), read-only if "read"; nothing else writable but a
-    private /tmp. seccomp: the file descriptor of the filter that refuses unix sockets."""
+    "write" (what git runs code from not: gits, git_folders() if not given), read-only if
+    "read"; nothing else writable but a private /tmp (and /run and the agent's state look
+    empty). seccomp: the file descriptor of the filter that refuses unix sockets."""
     root, bind = cfg.root, "--bind" if level == "write" else "--ro-bind"
     # subtle: the order is the order of the mounts: /tmp first, then the workspace, which may
     # lie inside it, then the .git folders and the secrets over it
     argv = [cfg.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--tmpfs", "/tmp", "--tmpfs", "/run", bind, root, root]
-    for git in git_folders(root) if level == "write" else {}:   # a planted hook or config
-        argv += ["--ro-bind", git, git]                             # would run outside later
+    if level == "write":   # a hook or a config planted there would run outside, later
+        for git in git_folders(root) if gits is None else gits:
+            argv += ["--ro-bind", git, git]
     for name in SECRETS:
         hidden = os.path.realpath(os.path.join(cfg.home, name))   # a link's target, too
         if os.path.isdir(hidden):
@@ -2613,7 +2621,8 @@ def sandboxed(cfg, command, level, seccomp=None) -> list:
     # with the agent; --new-session: no terminal to push keystrokes into; --cap-drop ALL: even
     # run as root, it cannot remount what is read-only
     return argv + ["--tmpfs", cfg.state, "--unshare-all", "--die-with-parent", "--new-session",
-                   "--cap-drop", "ALL"] + (["--seccomp", str(seccomp)] if seccomp else []) + \
+                   "--cap-drop", "ALL"] + \
+        (["--seccomp", str(seccomp)] if seccomp is not None else []) + \
         ["--chdir", root, "--", cfg.shell, "-c", command]
 
 
@@ -2807,14 +2816,16 @@ def probe_sandbox(cfg) -> tuple:
             probe = subprocess.run(
                 sandboxed(dataclasses.replace(cfg, bwrap=found), "true", "write", seccomp),
                 cwd=cfg.root, capture_output=True, timeout=10, stdin=subprocess.DEVNULL,
-                env=sandbox_environment(cfg.shell_env), pass_fds=[seccomp] if seccomp else [])
+                env=sandbox_environment(cfg.shell_env),
+                pass_fds=[seccomp] if seccomp is not None else [])
             said = probe.stderr.decode("utf-8", "replace").strip().splitlines()
             why = (said[-1] if said else f"exit code {probe.returncode}")[:200] \
                 if probe.returncode else ""
         except (OSError, subprocess.SubprocessError) as e:
             why = str(e)[:200]
         finally:
-            os.close(seccomp) if seccomp else None
+            if seccomp is not None:
+                os.close(seccomp)
         PROBED[tuple(argv)] = why
     return ("", PROBED[tuple(argv)]) if PROBED[tuple(argv)] else (found, "")
 
@@ -2839,9 +2850,11 @@ def sandbox_state(cfg) -> str:
 # 17. Time limits and interruptions
 # ----------------------------------------------------------------------------------------------
 # No tool may run for ever, and a Ctrl+C must stop what is running without leaving a mess. A
-# tool gets TOOL_SECONDS; the work that tidies up after a Ctrl+C (killing what a command
-# started, answering the calls left open) holds a second Ctrl+C back until it is done. Last,
-# the table that ties each tool's name to its function.
+# tool gets TOOL_SECONDS to look and plan; carrying out a Plan (a command, with its own
+# timeout; a task; an MCP call, with its server's) is not held to it. The work that tidies up
+# after a Ctrl+C (killing what a command started, answering the calls left open) holds a
+# second Ctrl+C back until it is done. Last, the table that ties each tool's name to its
+# function.
 
 class TimeLimit:
     """Stop the tool after TOOL_SECONDS with a ToolError: by a deadline the long loops check
@@ -2914,7 +2927,7 @@ def uninterrupted(work):
             return previous[signum](signum, frame)
         came.append(signum)
     try:
-        for attempt in range(3):   # a work that raises KeyboardInterrupt itself is not looped
+        for attempt in range(3):   # a work that raises KeyboardInterrupt itself: not for ever
             try:
                 if threading.current_thread() is threading.main_thread():   # signals go there
                     for signum in INTERRUPTS:
@@ -3972,8 +3985,17 @@ def tool_name(server, tool, taken) -> str:
 
 
 def stop_mcp(session):
-    """Stop every MCP server this session started; a Ctrl+C meanwhile waits until they are."""
-    uninterrupted(lambda: [server.stop() for server in session.servers])
+    """Stop every MCP server this session started, all told to leave at once and given their
+    moment together; a Ctrl+C meanwhile waits until they are stopped."""
+    # subtle: not one after another: ending one server's process tree sweeps up the others,
+    # which are strays to it (children of ours, started since), before their moment to leave
+    def stop():
+        """Tell each to leave (its stdin closed), then end each."""
+        for server in session.servers:
+            server.leave()
+        for server in session.servers:
+            server.stop()
+    uninterrupted(stop)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3983,7 +4005,8 @@ def stop_mcp(session):
 # --mcp FILE: {"mcpServers": {NAME: {"command", "args", "env"} or {"type": "http",
 # "url", "headers"}}}, each with a "timeout" in seconds if the default (AGENT_MCP_TIMEOUT)
 # will not do. Each entry is judged alone, and one of the workspace's own is the repository's
-# word, not the user's: it starts, or is connected to, only once the user has seen it whole.
+# word, not the user's: it starts, or is connected to, only once the user has seen it whole
+# and said yes (or said --yes to everything).
 
 def mcp_servers(root, files, env, shell_env) -> tuple:
     """The MCP servers of the workspace's .mcp.json (started only once allowed) and of each
@@ -4068,6 +4091,64 @@ def expand(value, env):
     if isinstance(value, dict):
         return {k: expand(v, env) for k, v in value.items()}
     return value
+
+
+def http_entry(spec, written) -> tuple:
+    """An "http" entry of an .mcp.json, checked: (spec, '') or (None, what is wrong). written:
+    the entry as the file has it, before ${VAR} was filled in, for the question."""
+    url, headers = spec.get("url"), spec.get("headers", {})
+    if not isinstance(url, str) or not re.match(r"https?://[^/?#\s]+", url) or \
+            not shows_as_is(url):
+        return None, 'it needs a "url" that starts with http:// or https:// (and no spaces)'
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port   # an invalid port raises ValueError
+    except ValueError as e:
+        return None, f'its "url" is not one: {e}'
+    if parts.username is not None or not parts.hostname:
+        return None, ('its "url" needs a host, and no user name or password in it: put a token '
+                      'in "headers" instead')
+    if not isinstance(headers, dict) or not all(
+            HEADER_NAME.fullmatch(str(k)) and isinstance(v, str) and
+            re.fullmatch(r"[\t\x20-\x7e]*", v) for k, v in headers.items()):
+        return None, ('"headers" must be an object of names and string values, in plain ASCII '
+                      'without line breaks')
+    lower = {k.lower() for k in headers}
+    if lower & OWN_HEADERS:
+        return None, f'"headers" may not set {", ".join(sorted(lower & OWN_HEADERS))}'
+    return {"type": "http", "url": url, "headers": headers, "timeout": spec.get("timeout"),
+            "written": {"url": written.get("url"), "headers": written.get("headers", {})}}, ""
+
+
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}")   # a token, as HTTP defines it
+# The headers the transport itself sends, which an .mcp.json may not replace.
+OWN_HEADERS = {"content-type", "accept", "content-length", "host", "mcp-session-id",
+               "mcp-protocol-version", "last-event-id", "transfer-encoding", "connection",
+               "user-agent"}
+
+
+def http_preview(spec, env) -> str:
+    """What the question about a workspace's HTTP server shows: where every message will go,
+    whether on the way it is encrypted, and each header as the file writes it: a ${VAR} stays
+    its name, and a token it stands for is not shown, only whether it is set."""
+    written, parts = spec["written"], urllib.parse.urlsplit(spec["url"])
+    lines = [f"connect to {written['url']}"]
+    if written["url"] != spec["url"]:   # a variable in the URL: where it really goes
+        lines.append(f"# that is {origin(spec['url'])}")
+    lines.append("# over TLS (https)" if parts.scheme == "https" else
+                 "# in PLAIN TEXT (http): anyone on the way can read what is sent")
+    lines += [f"# with the header {k}: {v}" for k, v in written["headers"].items()]
+    for variable in sorted(set(re.findall(r"\$\{(\w+)", json.dumps(written)))):
+        lines.append(f"# ${{{variable}}}: " + (
+            "never filled in from a workspace's file" if variable in KEY_VARIABLES else
+            "set in your environment, not shown" if env.get(variable) else "NOT SET: empty"))
+    return "\n".join(lines)
+
+
+def origin(url) -> str:
+    """A URL's scheme, host and path, without its query: what may be shown of it."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
 
 
 def may_start(session, name, spec) -> bool:
@@ -4282,7 +4363,7 @@ class McpServer:
                     (" of its last progress report" if waiting.shown else "")
             else:
                 continue   # progress came meanwhile: the timeout starts again from it
-            self.cancel(number, f"no answer within {self.timeout:g} s")
+            self.cancel(number, why)
             raise McpError(f"MCP server {self.name} {why}")
 
     def cancel(self, number, reason):
@@ -4413,6 +4494,10 @@ class McpServer:
         except OSError:
             pass   # a log that cannot be written is no reason to fail a call
 
+    def leave(self):
+        """Tell it to leave, as stop() then does if it has not: its stdin closed (stdio)."""
+        self.transport.leave()
+
     def stop(self):
         """Let it go: end its process, or its HTTP session."""
         self.transport.close()
@@ -4445,8 +4530,9 @@ def describe_content(item) -> str:
 # ----------------------------------------------------------------------------------------------
 # 25. MCP over stdio: a child process
 # ----------------------------------------------------------------------------------------------
-# The server is a program of the user's, started as a child of ours in a process group of
-# its own, in an empty folder: one JSON message a line on its stdin, and on its stdout.
+# The server is a program (one the user named, or one of the workspace's, once allowed),
+# started as a child of ours in a process group of its own, in an empty folder: one JSON
+# message a line on its stdin, and on its stdout.
 
 class StdioTransport:
     """A server that is a child process of ours, in its own process group: one JSON message a
@@ -4455,7 +4541,7 @@ class StdioTransport:
     def __init__(self, server):
         """server: the McpServer it carries messages for."""
         self.server, self.spec, self.gone, self.lock = server, server.spec, False, threading.Lock()
-        self.process, self.born, self.reader = None, 0, None
+        self.process, self.born, self.reader, self.leaving = None, 0, None, 0.0
 
     def open(self):
         """Start the process, and a thread that hands what it writes to the server."""
@@ -4522,15 +4608,25 @@ class StdioTransport:
     def abandon(self, number):
         """Nothing to close: a request given up is only told to the server (cancel())."""
 
+    def leave(self):
+        """Close its stdin: a server's sign to leave."""
+        if self.process is not None:
+            try:
+                self.process.stdin.close()
+            except OSError:
+                pass
+            self.leaving = time.monotonic()
+
     def close(self):
-        """Close its stdin, give it a moment to leave, then end its process group, and any
-        process it set loose."""
+        """Close its stdin, give it a moment to leave (counted from leave()), then end its
+        process group, and any process it set loose."""
         if self.process is None:
             return
+        if not self.leaving:
+            self.leave()
         try:
-            self.process.stdin.close()
-            self.process.wait(MCP_STOP_SECONDS)
-        except (OSError, subprocess.TimeoutExpired):
+            self.process.wait(max(self.leaving + MCP_STOP_SECONDS - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
             pass
         kill_tree(self.process, self.born)
         if self.reader:   # with everything it started gone, its output ends; else leave it
@@ -4558,64 +4654,6 @@ class StdioTransport:
 # list that changed, say. No redirect is followed (the headers may carry a token); https is
 # TLS, checked against the system's certificates, and http plain text. Authentication is a
 # header, "Authorization": "Bearer ${TOKEN}"; OAuth is not supported.
-
-def http_entry(spec, written) -> tuple:
-    """An "http" entry of an .mcp.json, checked: (spec, '') or (None, what is wrong). written:
-    the entry as the file has it, before ${VAR} was filled in, for the question (26)."""
-    url, headers = spec.get("url"), spec.get("headers", {})
-    if not isinstance(url, str) or not re.match(r"https?://[^/?#\s]+", url) or \
-            not shows_as_is(url):
-        return None, 'it needs a "url" that starts with http:// or https:// (and no spaces)'
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port   # an invalid port raises ValueError
-    except ValueError as e:
-        return None, f'its "url" is not one: {e}'
-    if parts.username is not None or not parts.hostname:
-        return None, ('its "url" needs a host, and no user name or password in it: put a token '
-                      'in "headers" instead')
-    if not isinstance(headers, dict) or not all(
-            HEADER_NAME.fullmatch(str(k)) and isinstance(v, str) and
-            re.fullmatch(r"[\t\x20-\x7e]*", v) for k, v in headers.items()):
-        return None, ('"headers" must be an object of names and string values, in plain ASCII '
-                      'without line breaks')
-    lower = {k.lower() for k in headers}
-    if lower & OWN_HEADERS:
-        return None, f'"headers" may not set {", ".join(sorted(lower & OWN_HEADERS))}'
-    return {"type": "http", "url": url, "headers": headers, "timeout": spec.get("timeout"),
-            "written": {"url": written.get("url"), "headers": written.get("headers", {})}}, ""
-
-
-HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}")   # a token, as HTTP defines it
-# The headers the transport itself sends, which an .mcp.json may not replace.
-OWN_HEADERS = {"content-type", "accept", "content-length", "host", "mcp-session-id",
-               "mcp-protocol-version", "last-event-id", "transfer-encoding", "connection",
-               "user-agent"}
-
-
-def http_preview(spec, env) -> str:
-    """What the question about a workspace's HTTP server shows: where every message will go,
-    whether on the way it is encrypted, and each header as the file writes it: a ${VAR} stays
-    its name, and a token it stands for is not shown, only whether it is set."""
-    written, parts = spec["written"], urllib.parse.urlsplit(spec["url"])
-    lines = [f"connect to {written['url']}"]
-    if written["url"] != spec["url"]:   # a variable in the URL: where it really goes
-        lines.append(f"# that is {origin(spec['url'])}")
-    lines.append("# over TLS (https)" if parts.scheme == "https" else
-                 "# in PLAIN TEXT (http): anyone on the way can read what is sent")
-    lines += [f"# with the header {k}: {v}" for k, v in written["headers"].items()]
-    for variable in sorted(set(re.findall(r"\$\{(\w+)", json.dumps(written)))):
-        lines.append(f"# ${{{variable}}}: " + (
-            "never filled in from a workspace's file" if variable in KEY_VARIABLES else
-            "set in your environment, not shown" if env.get(variable) else "NOT SET: empty"))
-    return "\n".join(lines)
-
-
-def origin(url) -> str:
-    """A URL's scheme, host and path, without its query: what may be shown of it."""
-    parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
-
 
 class HttpTransport:
     """A server at a URL: each message one POST, each answer JSON or a stream of events."""
@@ -4829,6 +4867,9 @@ class HttpTransport:
         with self.lock:
             sock = self.streams.pop(number, None)
         shut(sock)
+
+    def leave(self):
+        """Nothing to do before close(): the session ends with it."""
 
     def close(self):
         """Stop reading every stream, then end the session with a DELETE (a server may answer
@@ -5394,6 +5435,8 @@ def rules_for(command) -> list:
                 prefix, rest = prefix + rest[:1], rest[1:]
             else:                                # -c CODE, or a REPL: no rule can say
                 return []
+        if words[0] in SUBCOMMANDS and rest[:1] and rest[0].startswith("-"):
+            return []   # git -C dir status: a rule for all of git would allow any git -c …
         while words[0] in SUBCOMMANDS and rest and len(prefix) < 3 and \
                 re.fullmatch(r"[a-z][a-z0-9_:-]*", rest[0]):
             prefix, rest = prefix + rest[:1], rest[1:]
@@ -5472,10 +5515,11 @@ def checkpoint(session):
                     f"changes)", YELLOW)
 
 
-def snapshot(cfg, kind, **about) -> dict:
+def snapshot(cfg, kind, git=None, **about) -> dict:
     """Commit the workspace as it is to the shadow repository, as a checkpoint of this kind
-    ("turn": before a turn's first change; "undo": before a restore). Returns its record."""
-    git = shadow(cfg, CHECKPOINT_SECONDS)
+    ("turn": before a turn's first change; "undo": before a restore, within the restore's own
+    time, git). Returns its record."""
+    git = git or shadow(cfg, CHECKPOINT_SECONDS)
     tree, _, left_out = stage(cfg, git)
     # what is there but not kept (ignored, too big, a repository), so that no undo takes it
     # for new since and removes it: git's own list, whole ignored folders as one 'name/'
@@ -5512,8 +5556,9 @@ def stage(cfg, git) -> tuple:
     if left_out:   # once kept, now too big or a repository: kept no longer
         git("rm", "-r", "-q", "--cached", "--ignore-unmatch", "--pathspec-from-file=-",
             "--pathspec-file-nul", stdin=b"\0".join(literal))
+    # all but what is left out: ':(literal)name' made ':(exclude,literal)name'
     git("add", "-A", "--pathspec-from-file=-", "--pathspec-file-nul",
-        stdin=b"\0".join([b"."] + [b":(exclude," + n[2:] for n in literal]))
+        stdin=b"\0".join([b"."] + [b":(exclude," + n[len(b":("):] for n in literal]))
     return (git("write-tree").strip(), sorted(n for n in left_out if n.endswith("/")),
             left_out)
 
@@ -5604,7 +5649,7 @@ def undo(cfg, confirm, wanted="", which=None) -> tuple:
                     f"files the checkpoints leave to them)")
     if not confirm(changes):
         return which, ""
-    snapshot(cfg, "undo", session=wanted)   # what is undone can be put back in turn (/rewind)
+    snapshot(cfg, "undo", git, session=wanted)   # what is undone can be put back (/rewind)
     changed = git("diff", "--name-status", "-z", "--no-renames", now, which["tree"]).split("\0")
     # subtle: a file that is not in the checkpoint was not always new since: it may have been
     # ignored then, or too big. Such a file is taken out of the index, so that it stays.
@@ -6158,7 +6203,7 @@ def repl(session) -> int:
             readline.read_history_file(history)
         except OSError:
             pass   # the first session has no history yet
-        readline.set_completer(completer(session))   # Tab: @paths and /commands (35)
+        readline.set_completer(completer(session))   # Tab: @paths and /commands (36)
         readline.set_completer_delims(" \t\n")       # a word is all that lies between blanks
         # subtle: macOS's Python comes with libedit, which binds keys in its own words
         libedit = "libedit" in (readline.__doc__ or "")
@@ -6310,8 +6355,9 @@ def slash_command(session, line) -> Optional[str]:
 # ----------------------------------------------------------------------------------------------
 # 35. Slash commands and @mentions
 # ----------------------------------------------------------------------------------------------
-# Three habits users bring from Claude Code, Gemini CLI, opencode and Codex. None of them adds
-# to the loop: each only shapes the user's message before run_turn() gets it, or the request.
+# Three habits users bring from Claude Code, Gemini CLI, opencode and Codex (the third, and
+# Tab completion, are section 36). None of them adds to the loop: each only shapes the user's
+# message before run_turn() gets it, or the request.
 #   - A custom slash command is a Markdown file, NAME.md, whose text becomes the message, with
 #     $ARGUMENTS (all that follows the command) and $1, $2 … (its words) filled in. So a command
 #     runs nothing by itself: what the model then calls is asked about as ever.
@@ -6368,8 +6414,8 @@ def custom_command(session, command, rest) -> Optional[str]:
 
 
 def fill_in(body, rest) -> str:
-    """A command's text with $ARGUMENTS and $1, $2 … put in; arguments without a place for
-    them are added at the end, so that none is lost."""
+    """A command's text with $ARGUMENTS and $1, $2 … put in; arguments given to a text that
+    has no place for any are added at its end, so that they are not lost."""
     try:
         words = shlex.split(rest)   # "two words" in quotes is one argument, as in a shell
     except ValueError:              # an unclosed quote: split at blanks
@@ -6458,10 +6504,11 @@ def first_clause(error) -> str:
 # An @ is a mention when it opens a word (at the start, or after a blank), and what follows
 # it, up to the next blank, is SERVER:URI, a resource of a running MCP server, or a path as
 # people type one: letters, digits and . / ~ + - _, less the punctuation that ends a
-# sentence. A path must contain a '/' or name something that exists in the workspace. So an e-mail address (the @ inside a word), a decorator with its
-# arguments (@app.route("/")) or a word (@property, @alice) is left alone as text; a path
-# that cannot be attached (outside the workspace, missing, binary) is refused, and nothing is
-# sent. Only what the user types counts: not piped stdin, nor a file's contents.
+# sentence. A path must contain a '/' or name something that exists in the workspace. So an
+# e-mail address (the @ inside a word), a decorator with its arguments (@app.route("/")) or a
+# word (@property, @alice) is left alone as text; a path that cannot be attached (outside the
+# workspace, missing, binary) is refused, and nothing is sent. Only what the user types
+# counts: not piped stdin, nor a file's contents.
 MENTION = re.compile(r"(?<!\S)@(\S+)")   # an @ that opens a word, and the rest of the word
 PATH_LIKE = re.compile(r"[\w./~+-]+")      # a path as people type one, whole
 SENTENCE_END = ".,;:!?)]}'\""             # stripped from a mention's end: "see @a.py."
@@ -6489,8 +6536,8 @@ def with_attachments(session, text) -> str:
 
 
 def attachment(session, word):
-    """One @mention: (its path, 'file' or 'folder', the text that shows it); None if word is
-    no mention. Raises ToolError for what cannot be attached, as the tools do."""
+    """One @mention: (its path, 'file', 'folder' or 'resource', the text that shows it); None
+    if word is no mention. Raises ToolError for what cannot be attached, as the tools do."""
     cfg = session.cfg
     server, uri = mcp_resource_named(session, word)
     if server:   # @server:uri, a resource of a running MCP server (section 27)
@@ -6524,6 +6571,14 @@ def uri_list(session, name) -> list:
     """The resources an MCP server listed, by uri."""
     return [r["uri"] for s in session.servers if s.name == name for r in s.resources]
 
+
+# ----------------------------------------------------------------------------------------------
+# 36. Tab and /model: what is typed, completed; the model, chosen
+# ----------------------------------------------------------------------------------------------
+# Tab completes the word under the cursor: an @path (never to anything outside the
+# workspace), an @server:uri from the server's list, or, first on the line, a slash command,
+# the custom ones and the MCP prompts included. /model lists the server's models and
+# switches to one for the rest of the session.
 
 def completer(session):
     """readline's completer: Tab after @ offers the workspace's paths, and at the start of a
@@ -6629,7 +6684,7 @@ def server_models(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# 36. The demo: a scripted model
+# 37. The demo: a scripted model
 # ----------------------------------------------------------------------------------------------
 # A model that follows a script but is otherwise real: its replies are raw JSON, as a server
 # sends them, and go through the same normalising, loop, executor and tools, over this file's
@@ -6701,7 +6756,7 @@ def demo_model(root):
 
 
 # ----------------------------------------------------------------------------------------------
-# 37. main()
+# 38. main()
 # ----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:

@@ -1828,7 +1828,7 @@ class ChangingTest(unittest.TestCase):
          "a = 1\n    \nb = 2", "a = 1\n\nb = 3", b"def f():\n    a = 1\n\n    b = 3\n",
          ["4 spaces deeper"]),
         ("the last lines removed, the line before keeps its newline", b"a\r\nb  \r\nc",
-         "b\nc", "", b"a\r\n", ["trailing whitespace"]),
+         "b\nc", "", b"a\r\n", ["trailing whitespace", "line endings"]),
     ]
 
     # Edits that must still be refused, the file untouched: (file, old, new, error kind).
@@ -1852,6 +1852,13 @@ class ChangingTest(unittest.TestCase):
          "several_matches"),
     ]
 
+    def test_an_edit_says_which_lines_it_changed(self):
+        """The result names the lines the edit made, a last newline in new starting none."""
+        path = self.path("lines.txt", b"a\nb\nc\n")
+        self.assertIn("lines 2-3 now read", execute("edit_file", path=path, old="b\n",
+                                                    new="B\nX\n"))
+        self.assertIn("line 1 now reads", execute("edit_file", path=path, old="a", new="A"))
+
     def test_near_misses_apply_and_say_which_tolerance(self):
         """An old that occurs nowhere, but matches one run of whole lines once trailing
         whitespace, line endings, curly quotes and dashes, a uniform indentation shift or
@@ -1864,6 +1871,8 @@ class ChangingTest(unittest.TestCase):
                                                   "edited %s; " % path), result)
                 for word in words:
                     self.assertIn(word, result)
+                if "line endings" not in words:   # said only when they differed
+                    self.assertNotIn("line endings", result)
                 self.assertEqual(self.read("near.py"), after)
 
     def test_edits_not_near_enough_are_refused(self):
@@ -2411,6 +2420,9 @@ class InterruptTest(unittest.TestCase):
         class Server:
             def __init__(self, name):
                 self.name = name
+
+            def leave(self):
+                pass
 
             def stop(self):
                 if self.name == "first":
@@ -3212,6 +3224,9 @@ def result(request, content, **more):
 
 
 initialized = False
+if "linger" in sys.argv:   # on leaving, a moment to tidy up, then a sign that it did
+    import atexit
+    atexit.register(lambda: (time.sleep(0.1), open(sys.argv[-1], "w").close()))
 for line in sys.stdin:
     request = json.loads(line)
     method = request.get("method")
@@ -3509,6 +3524,25 @@ class McpTest(unittest.TestCase):
             self.assertIn("did not answer tools/call within 0.2 s",
                           self.call(session, "mcp__test__silent"))
 
+    def test_servers_are_stopped_together_each_given_its_moment(self):
+        """On exit every stdio server is told to leave at once and given its moment: the
+        second is not swept away as a stray while the first is being stopped."""
+        folder = tempfile.mkdtemp(dir=STATE)
+        marks = [os.path.join(folder, n) for n in ("one", "two")]
+        servers = {}
+        for name, mark in zip(("one", "two"), marks):
+            with open(mcp_config("linger", mark)) as f:
+                servers[name] = json.load(f)["mcpServers"]["test"]
+        path = os.path.join(folder, "both.json")
+        with open(path, "w") as f:
+            json.dump({"mcpServers": servers}, f)
+        session = agent.new_session(config("http://127.0.0.1:9/v1", "--mcp", path))
+        with contextlib.redirect_stderr(io.StringIO()):
+            agent.start_mcp(session)
+        self.assertEqual([s.state for s in session.servers], ["ready", "ready"])
+        agent.stop_mcp(session)
+        self.assertEqual([os.path.exists(m) for m in marks], [True, True])
+
     def test_a_call_given_up_is_cancelled(self):
         """A call that outlasts its timeout is an error result, and the server is sent
         notifications/cancelled with its request id and a reason, so that it stops."""
@@ -3520,7 +3554,7 @@ class McpTest(unittest.TestCase):
         self.assertEqual(self.call(session, "mcp__test__echo", text="after"), "echo: after")
         called, cancelled = lines_of(path)
         self.assertEqual(json.loads(cancelled), {"requestId": int(called.split()[1]),
-                                                 "reason": "no answer within 0.3 s"})
+                                                 "reason": "did not answer tools/call within 0.3 s"})
 
     def test_ctrl_c_during_a_call_cancels_it_and_keeps_the_transcript(self):
         """Ctrl+C while an MCP tool runs (beside another read) stops the turn at once: the
@@ -3881,7 +3915,7 @@ class McpHttpTest(unittest.TestCase):
             self.assertTrue(server.hung_up.wait(2))
             hang = server.posted("tools/call")[-1]["body"]
         self.assertEqual(server.cancels, [{"requestId": hang["id"],
-                                           "reason": "no answer within 0.3 s"}])
+                                           "reason": "did not answer tools/call within 0.3 s"}])
         self.assertEqual(hang["params"]["_meta"], {"progressToken": hang["id"]})
 
     def test_what_the_server_says_unasked_comes_on_a_get_stream(self):
@@ -4204,7 +4238,8 @@ class ModesAndRulesTest(unittest.TestCase):
                                ("python3 -c 'import os'", []), ("sudo make", []),
                                ("echo x > f", []), ("timeout 60 pytest", []),
                                ("env X=1 make", []), ("xargs rm", []),
-                               ("rg --pre=sh x", []), ("git diff --output=x", [])]:
+                               ("rg --pre=sh x", []), ("git diff --output=x", []),
+                               ("git -C sub status", []), ("npm --prefix web test", [])]:
             with self.subTest(command=command):
                 self.assertEqual(agent.rules_for(command), rules)
 
@@ -4596,7 +4631,7 @@ class ConfigurationTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 34, 36, 37. The terminal, the demo, main()
+# 34, 37, 38. The terminal, the demo, main()
 # ----------------------------------------------------------------------------------------------
 
 class SourceTest(unittest.TestCase):
@@ -4853,7 +4888,7 @@ class ReplTest(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------------------------
-# 35. Slash commands and @mentions
+# 35-36. Slash commands and @mentions, Tab and /model
 # ----------------------------------------------------------------------------------------------
 
 def habits_root(commands=(), files=()):
