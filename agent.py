@@ -6781,6 +6781,8 @@ def main(argv=None) -> int:
         question = cfg.question.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         piped = sys.stdin is not None and not sys.stdin.isatty()
         stdin = read_stdin(wait=STDIN_WAIT if question else None) if piped else ""
+        if piped and not question.strip() and not stdin.strip():   # before anything starts
+            raise UsageError("no question: give one as an argument, or pipe some text in")
         session = start_session(cfg)
         try:
             start_mcp(session)
@@ -6788,11 +6790,7 @@ def main(argv=None) -> int:
                 question = with_attachments(session, question)
             if stdin.strip():
                 question = f"{question}\n\n<stdin>\n{stdin}\n</stdin>" if question else stdin
-            if question.strip():
-                return one_shot(session, question)
-            if piped:
-                raise UsageError("no question: give one as an argument, or pipe some text in")
-            return repl(session)
+            return one_shot(session, question) if question.strip() else repl(session)
         finally:
             stop_mcp(session)
     except Fatal as e:
