@@ -1719,14 +1719,14 @@ class ChangingTest(unittest.TestCase):
         a good change and a kind of file the standard library cannot read."""
         source = self.path("app.py", b"def f():\n    return 1\n")
         result = execute("edit_file", path=source, old="return 1", new="return (1")
-        self.assertIn("\nwarning: %s no longer parses: SyntaxError at line 2: '(' was never "
-                      "closed" % source, result)
+        self.assertIn("\nwarning: %s no longer parses: SyntaxError at line 2: " % source,
+                      result)   # (what follows is Python's own words, which change)
         self.assertTrue(result.endswith(". Fix it in your next call."), result)
         quiet = execute("edit_file", path=source, old="return (1", new="return (2")   # broken
         self.assertNotIn("warning", quiet)                                            # before
         self.assertNotIn("warning", execute("write_file", path=source, content="x = 1\n"))
         data = self.path("data.json", b'{"a": 1}\n')
-        self.assertIn("warning: %s no longer parses: invalid JSON at line 1, column 9" % data,
+        self.assertIn("warning: %s no longer parses: invalid JSON at line 1, column " % data,
                       execute("edit_file", path=data, old="1}", new="1,}"))
         made = execute("write_file", path=self.path("new.py"), content="if x\n")
         self.assertIn("does not parse: SyntaxError at line 1", made)
@@ -2257,8 +2257,9 @@ class OsSandboxTest(unittest.TestCase):
                     "print('io_uring', libc.syscall(425, 1, None), ctypes.get_errno())\n"
                     "for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):\n"
                     "    try:\n        socket.socketpair(socket.AF_UNIX, kind)\n"
-                    "        print(kind, 'pair made')\n"
-                    "    except OSError as e:\n        print(kind, 'pair refused', e.errno)\n"
+                    "        print(int(kind), 'pair made')\n"
+                    "    except OSError as e:\n"
+                    "        print(int(kind), 'pair refused', e.errno)\n"
                     "socket.socket(socket.AF_UNIX).connect(sys.argv[1])\n")
         result = shell(cfg, "%s %s %s" % (sys.executable, script,
                                           os.path.join(away, "docker.sock")))
