@@ -31,7 +31,7 @@ The five pieces, each one name in this file:
     an append-only transcript   Session.messages     appended to by append(), saved as it grows
     stop conditions             run_turn()           no tool call, MAX_TURNS, a repeated call
 
-How to read it: Part I is the whole agent, the loop and the five pieces, in about 1,000 lines;
+How to read it: Part I is the whole agent, the loop and the five pieces, in about 1,300 lines;
 stop at its end and you have seen all of it. Parts II-V are how it survives real tools, real
 servers and real users. `grep -nE '^# (PART|[0-9])' agent.py` prints the contents:
     PART I    The agent                 1-9
@@ -2676,12 +2676,12 @@ def git_dirs(root, dot_git) -> list:
     places = [os.path.realpath(dot_git)]
     try:
         if os.path.isfile(dot_git) and not os.path.islink(dot_git):
-            with open(os.open(dot_git, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            with open(regular_file(root, relative(root, dot_git)), "rb") as f:
                 line = f.read(4096).decode("utf-8", "replace").strip()
             named = line[len("gitdir:"):].strip() if line.startswith("gitdir:") else ""
             places = [dot_git] + [os.path.realpath(os.path.join(os.path.dirname(dot_git),
                                                                 named))] * bool(named)
-    except OSError:
+    except (OSError, ToolError):
         return []
     above = os.path.dirname(dot_git)
     return [p for p in places if inside(root, p) and not inside(p, above) and
@@ -2691,10 +2691,10 @@ def git_dirs(root, dot_git) -> list:
 def hooks_path(root, git) -> list:
     """The folder a repository's config names as its hooks (core.hooksPath: husky's .husky),
     if it lies in the workspace: git runs what is in there."""
-    try:
-        with open(os.open(os.path.join(git, "config"), os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+    try:   # the root check, as for any path: a config linked out is not read
+        with open(regular_file(root, relative(root, os.path.join(git, "config"))), "rb") as f:
             config = f.read(1 << 16).decode("utf-8", "replace")
-    except OSError:
+    except (OSError, ToolError):
         return []
     named = re.findall(r"(?im)^\s*hookspath\s*=\s*\"?([^\"\n]+?)\"?\s*$", config)
     top = os.path.dirname(git) if os.path.basename(git) == ".git" else git

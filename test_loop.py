@@ -28,7 +28,6 @@ import os
 import pty
 import random
 import re
-import select
 import shutil
 import signal
 import socket
@@ -69,9 +68,21 @@ agent.RETRY_BASE = 0.01   # retries wait 10, 20, 40 ms here instead of half a se
 # A request for a summary (agent.py compacting its transcript) is answered with server.summary
 # and takes no step. GET /v1/models lists server.models; GET /props tells server.n_ctx.
 
-class CannedServer(ThreadingHTTPServer):
-    """An OpenAI-compatible server that answers from a script and records every request."""
+class LocalServer(ThreadingHTTPServer):
+    """A server on 127.0.0.1 that serves from a thread while a with block lasts."""
     daemon_threads = True
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, args=(0.01,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+class CannedServer(LocalServer):
+    """An OpenAI-compatible server that answers from a script and records every request."""
 
     def __init__(self, script, models=("canned-model",), summary="the summary", n_ctx=0):
         super().__init__(("127.0.0.1", 0), CannedHandler)
@@ -91,14 +102,6 @@ class CannedServer(ThreadingHTTPServer):
     def summary_requests(self):
         """The JSON bodies of the requests for a summary."""
         return [r["body"] for r in self.requests if r["body"] and is_summary(r["body"])]
-
-    def __enter__(self):
-        threading.Thread(target=self.serve_forever, args=(0.01,), daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-        self.server_close()
 
 
 class CannedHandler(BaseHTTPRequestHandler):
@@ -2235,6 +2238,25 @@ class OsSandboxTest(unittest.TestCase):
                       os.path.join(repo, "vendor", "lib", ".git"), result)
         self.assertIn("outside the sandbox, whenever it is used", result)
 
+    def test_what_git_reads_is_found_through_the_root_check(self):
+        """A repository's .git file or config is read only if it is inside the workspace: a
+        config linked to a file outside does not decide what is protected."""
+        repo, away = tempfile.mkdtemp(dir=WORK), tempfile.mkdtemp(dir=OUTSIDE)
+        self.addCleanup(shutil.rmtree, repo)
+        for name in ("a", "b"):
+            subprocess.run(["git", "init", "-q", os.path.join(repo, name)], check=True)
+            os.makedirs(os.path.join(repo, name, "hooks-here"))
+        with open(os.path.join(away, "config"), "w") as f:
+            f.write("[core]\n\thooksPath = hooks-here\n")
+        with open(os.path.join(repo, "a", ".git", "config"), "a") as f:
+            f.write("[core]\n\thooksPath = hooks-here\n")
+        os.unlink(os.path.join(repo, "b", ".git", "config"))
+        os.symlink(os.path.join(away, "config"), os.path.join(repo, "b", ".git", "config"))
+        found = agent.git_folders(repo)
+        self.assertIn(os.path.join(repo, "a", "hooks-here"), found)
+        self.assertNotIn(os.path.join(repo, "b", "hooks-here"), found)
+        self.assertIn(os.path.join(repo, "b", ".git"), found)
+
     def test_no_unix_socket_outside_can_be_reached(self):
         """A daemon's unix socket outside /run and /tmp (a docker.sock in the home folder) is
         out of reach: socket(AF_UNIX) fails; a pipe between a program and its children works."""
@@ -3698,9 +3720,8 @@ class McpTest(unittest.TestCase):
 # is set (it says its tools changed, then holds the stream open), else 405 but for a stream
 # that broke off (resume), and records every request and every notifications/cancelled.
 
-class McpHttpServer(ThreadingHTTPServer):
+class McpHttpServer(LocalServer):
     """A streamable-HTTP MCP server at /mcp that records what it is sent."""
-    daemon_threads = True
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), McpHttpHandler)
@@ -3714,14 +3735,6 @@ class McpHttpServer(ThreadingHTTPServer):
     def posted(self, method):
         """The requests and notifications POSTed with this method, in order."""
         return [r for r in self.requests if r["body"] and r["body"].get("method") == method]
-
-    def __enter__(self):
-        threading.Thread(target=self.serve_forever, args=(0.01,), daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-        self.server_close()
 
 
 class McpHttpHandler(BaseHTTPRequestHandler):
