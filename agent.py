@@ -4016,15 +4016,16 @@ def mcp_servers(root, files, env, shell_env) -> tuple:
     servers, problems = {}, []
     for path, workspace in [(os.path.join(root, ".mcp.json"), True)] + \
             [(f, False) for f in files]:
-        if workspace and not os.path.isfile(path):
+        if workspace and not os.path.lexists(path):
             continue
-        try:
-            with open(path, encoding="utf-8-sig") as f:
+        try:   # the workspace's file passes the root check: not a link out, not a FIFO
+            with open(regular_file(root, ".mcp.json") if workspace else path,
+                      encoding="utf-8-sig") as f:
                 found = json.load(f)
             found = found.get("mcpServers") if isinstance(found, dict) else None
             if not isinstance(found, dict):
                 raise ValueError('it has no "mcpServers" object')
-        except (OSError, ValueError, RecursionError) as e:
+        except (OSError, ValueError, RecursionError, ToolError) as e:
             if not workspace:
                 raise UsageError(f"cannot use the MCP servers in {path}: {e}") from None
             problems.append({"name": path, "error": f"{path} not used: {e}"})
@@ -5714,7 +5715,8 @@ def undo_from_shell(cfg) -> int:
         session.say(f"agent: no saved session for {cfg.root}, so nothing to undo", YELLOW)
         return 1
     number, session.path = found[-1]
-    session.saved = sum(1 for _ in open(session.path, "rb"))
+    with open(session.path, "rb") as f:
+        session.saved = sum(1 for _ in f)
     note = put_back(session, number)
     if note:
         with private_file(session.path, "a") as f:

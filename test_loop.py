@@ -3976,6 +3976,18 @@ class McpHttpTest(unittest.TestCase):
                       "http://elsewhere.example/mcp (HTTP 307); a redirect is not followed", err)
         self.assertEqual(session.mcp_failed[0]["name"], "remote")
 
+    def test_a_workspace_mcp_json_that_leads_outside_is_not_read(self):
+        """The workspace's .mcp.json passes the root check like any file: a link to a file
+        outside is not used (one line says so), and no server of it is offered to start."""
+        root, away = tempfile.mkdtemp(dir=WORK), tempfile.mkdtemp(dir=OUTSIDE)
+        self.addCleanup(shutil.rmtree, root)
+        with open(os.path.join(away, "servers.json"), "w") as f:
+            json.dump({"mcpServers": {"planted": {"command": "sh"}}}, f)
+        os.symlink(os.path.join(away, "servers.json"), os.path.join(root, ".mcp.json"))
+        servers, problems = agent.mcp_servers(root, [], {}, {})
+        self.assertEqual(servers, {})
+        self.assertIn("leads outside the workspace", problems[0]["error"])
+
     def test_each_entry_is_judged_alone(self):
         """An .mcp.json entry that is wrong (an unknown type, no url, a header with a line
         break, a bad timeout, no command) is left out with one line naming it and what is wrong;
